@@ -1,0 +1,563 @@
+"""Helpers for the NODROP guest test suite.
+
+Everything a test needs to drive TUN/TAP devices from Python 3.11 with no
+third-party package: the TUN ioctls, network-namespace handling, counters
+(/proc/net/dev, `tc -s -j qdisc`), and wrappers around the C helpers in
+tools/ (udpburst, tunreader), which do the per-packet work because Python is
+slow under QEMU TCG.
+
+Feature detection is strictly `TUNGETFEATURES & IFF_BACKPRESSURE`
+(`has_backpressure()`); nothing here looks at the kernel version or at
+$NODROP_FLAVOR.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import select
+import shlex
+import signal
+import socket
+import struct
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+# --- uapi: include/uapi/linux/if_tun.h --------------------------------------
+IFF_TUN = 0x0001
+IFF_TAP = 0x0002
+IFF_NAPI = 0x0010
+IFF_NAPI_FRAGS = 0x0020
+IFF_NO_CARRIER = 0x0040
+IFF_BACKPRESSURE = 0x0080
+IFF_MULTI_QUEUE = 0x0100
+IFF_ATTACH_QUEUE = 0x0200
+IFF_DETACH_QUEUE = 0x0400
+IFF_PERSIST = 0x0800
+IFF_NO_PI = 0x1000
+IFF_ONE_QUEUE = 0x2000
+IFF_VNET_HDR = 0x4000
+IFF_TUN_EXCL = 0x8000
+# Not defined by any of the kernels we test (6.12, 6.12+NODROP, 7.3).
+IFF_UNDEFINED_BIT = 0x0008
+
+FLAG_NAMES = {
+    IFF_TUN: "TUN", IFF_TAP: "TAP", IFF_NAPI: "NAPI",
+    IFF_NAPI_FRAGS: "NAPI_FRAGS", IFF_NO_CARRIER: "NO_CARRIER",
+    IFF_BACKPRESSURE: "BACKPRESSURE", IFF_MULTI_QUEUE: "MULTI_QUEUE",
+    IFF_PERSIST: "PERSIST", IFF_NO_PI: "NO_PI", IFF_ONE_QUEUE: "ONE_QUEUE",
+    IFF_VNET_HDR: "VNET_HDR", IFF_TUN_EXCL: "TUN_EXCL",
+}
+
+
+def _ioc(direction: int, nr: int, size: int) -> int:
+    return (direction << 30) | (size << 16) | (ord("T") << 8) | nr
+
+
+_IOW, _IOR = 1, 2
+TUNSETIFF = _ioc(_IOW, 202, 4)
+TUNSETPERSIST = _ioc(_IOW, 203, 4)
+TUNGETFEATURES = _ioc(_IOR, 207, 4)
+TUNGETIFF = _ioc(_IOR, 210, 4)
+TUNGETVNETHDRSZ = _ioc(_IOR, 215, 4)
+TUNSETVNETHDRSZ = _ioc(_IOW, 216, 4)
+TUNSETQUEUE = _ioc(_IOW, 217, 4)
+
+IFNAMSIZ = 16
+CLONE_NEWNET = 0x40000000
+
+# Addresses of the test "peer" behind the device. 198.18.0.0/15 is the
+# benchmarking range (RFC 2544); every packet stays inside the test's own
+# network namespace, it only ever reaches our reader's file descriptor.
+LOCAL_IP = "198.18.0.1"
+PEER_IP = "198.18.0.2"
+PREFIX = 24
+PEER_MAC = "02:00:00:00:00:02"
+UDP_PORT = 9000
+
+# fq_codel whose AQM cannot act within a test run: packets wait in a
+# paused-reader test for seconds (much longer under TCG), and a codel drop
+# would depend on speed. Flow queueing and backlog accounting are unchanged.
+FQ_CODEL_ARGS = "fq_codel limit 10240 target 5s interval 60s"
+# Used where the kernel has no fq_codel (this development host): a plain
+# FIFO holds packets the same way for what these tests observe.
+FQ_CODEL_FALLBACK = "pfifo limit 10240"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def flag_names(flags: int) -> str:
+    names = [n for b, n in sorted(FLAG_NAMES.items()) if flags & b]
+    rest = flags & ~sum(FLAG_NAMES)
+    if rest:
+        names.append(hex(rest))
+    return "|".join(names) or "0"
+
+
+# --- namespaces ---------------------------------------------------------------
+def unshare_net() -> None:
+    if _libc.unshare(CLONE_NEWNET) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"unshare(CLONE_NEWNET): {os.strerror(e)}")
+
+
+def setns(fd: int, nstype: int = CLONE_NEWNET) -> None:
+    if _libc.setns(fd, nstype) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"setns: {os.strerror(e)}")
+
+
+# --- shell ---------------------------------------------------------------------
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def sh(cmd: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run a shell command (ip, tc, ...) in the current namespace."""
+    r = subprocess.run(cmd, shell=True, capture_output=True, text=True,
+                       timeout=timeout)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"command failed ({r.returncode}): {cmd}\n"
+                           f"stdout: {r.stdout}\nstderr: {r.stderr}")
+    return r
+
+
+def write_file(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+# --- TUN ioctls ----------------------------------------------------------------
+def _ifreq(name: str, flags: int) -> bytes:
+    return struct.pack("16sH22x", name.encode(), flags & 0xFFFF)
+
+
+def get_features(fd: int | None = None) -> int:
+    """TUNGETFEATURES (works on a fresh, unattached /dev/net/tun fd)."""
+    own = fd is None
+    if own:
+        fd = os.open("/dev/net/tun", os.O_RDWR)
+    try:
+        buf = bytearray(4)
+        fcntl.ioctl(fd, TUNGETFEATURES, buf, True)
+        return struct.unpack("I", buf)[0]
+    finally:
+        if own:
+            os.close(fd)
+
+
+def has_backpressure() -> bool:
+    """The one and only feature test: TUNGETFEATURES reports 0x0080."""
+    return bool(get_features() & IFF_BACKPRESSURE)
+
+
+class Tun:
+    """One /dev/net/tun file descriptor attached to a device (one queue)."""
+
+    def __init__(self, name: str, flags: int, vnet_hdr_sz: int | None = None):
+        self.requested = flags
+        self.fd = os.open("/dev/net/tun", os.O_RDWR)
+        try:
+            r = fcntl.ioctl(self.fd, TUNSETIFF, _ifreq(name, flags))
+        except OSError:
+            os.close(self.fd)
+            self.fd = -1
+            raise
+        self.name = r[:IFNAMSIZ].split(b"\0", 1)[0].decode()
+        if vnet_hdr_sz is not None:
+            fcntl.ioctl(self.fd, TUNSETVNETHDRSZ, struct.pack("i", vnet_hdr_sz))
+
+    def get_iff(self) -> int:
+        r = fcntl.ioctl(self.fd, TUNGETIFF, bytes(40))
+        return struct.unpack("H", r[16:18])[0]
+
+    def vnet_hdr_sz(self) -> int:
+        buf = bytearray(4)
+        fcntl.ioctl(self.fd, TUNGETVNETHDRSZ, buf, True)
+        return struct.unpack("i", buf)[0]
+
+    def set_queue(self, attach: bool) -> None:
+        flags = IFF_ATTACH_QUEUE if attach else IFF_DETACH_QUEUE
+        fcntl.ioctl(self.fd, TUNSETQUEUE, _ifreq("", flags))
+
+    def set_persist(self, on: bool) -> None:
+        fcntl.ioctl(self.fd, TUNSETPERSIST, 1 if on else 0)
+
+    def set_nonblocking(self) -> None:
+        fl = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, fl | os.O_NONBLOCK)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+# --- counters ------------------------------------------------------------------
+def dev_stats(dev: str) -> dict:
+    """Device counters from /proc/net/dev (follows the caller's netns;
+    /sys/class/net shows the namespace sysfs was mounted in, not ours)."""
+    with open("/proc/net/dev") as f:
+        for line in f.readlines()[2:]:
+            name, rest = line.split(":", 1)
+            if name.strip() == dev:
+                v = [int(x) for x in rest.split()]
+                return {"rx_bytes": v[0], "rx_packets": v[1], "rx_dropped": v[3],
+                        "tx_bytes": v[8], "tx_packets": v[9], "tx_errors": v[10],
+                        "tx_dropped": v[11]}
+    raise KeyError(f"{dev} not in /proc/net/dev")
+
+
+def tx_dropped(dev: str) -> int:
+    return dev_stats(dev)["tx_dropped"]
+
+
+def qdiscs(dev: str) -> list[dict]:
+    out = sh(f"tc -s -j qdisc show dev {dev}").stdout.strip()
+    return json.loads(out) if out else []
+
+
+def root_qdisc(dev: str) -> dict:
+    for q in qdiscs(dev):
+        if q.get("root"):
+            return q
+    raise KeyError(f"no root qdisc on {dev}")
+
+
+def qdisc_by_parent(dev: str, parent: str) -> dict:
+    for q in qdiscs(dev):
+        if q.get("parent") == parent:
+            return q
+    raise KeyError(f"no qdisc with parent {parent} on {dev}")
+
+
+def qsummary(q: dict) -> str:
+    return (f"{q.get('kind')} sent={q.get('packets', 0)}p "
+            f"backlog={q.get('qlen', 0)}p/{q.get('backlog', 0)}b "
+            f"drops={q.get('drops', 0)} requeues={q.get('requeues', 0)}")
+
+
+def qdisc_totals(dev: str) -> dict:
+    """Drops/backlog over the whole tree. Classless roots and mq (whose
+    dump already aggregates its children) report totals in the root."""
+    q = root_qdisc(dev)
+    return {"kind": q.get("kind"), "packets": q.get("packets", 0),
+            "drops": q.get("drops", 0), "qlen": q.get("qlen", 0),
+            "backlog": q.get("backlog", 0)}
+
+
+def set_qdisc(dev: str, spec: str, parent: str = "root") -> None:
+    where = "root" if parent == "root" else f"parent {parent}"
+    sh(f"tc qdisc replace dev {dev} {where} {spec}")
+
+
+_fq_codel_ok: bool | None = None
+
+
+def set_fq_codel(dev: str, parent: str = "root") -> str:
+    """Attach fq_codel (FQ_CODEL_ARGS); fall back to pfifo only when this
+    kernel does not know fq_codel. Returns the spec actually used."""
+    global _fq_codel_ok
+    if _fq_codel_ok is not False:
+        where = "root" if parent == "root" else f"parent {parent}"
+        r = sh(f"tc qdisc replace dev {dev} {where} {FQ_CODEL_ARGS}", check=False)
+        if r.returncode == 0:
+            _fq_codel_ok = True
+            return FQ_CODEL_ARGS
+        if "unknown" not in (r.stderr + r.stdout).lower():
+            raise RuntimeError(f"tc fq_codel failed: {r.stderr}")
+        _fq_codel_ok = False
+        log("NOTICE: this kernel has no fq_codel; using "
+            f"'{FQ_CODEL_FALLBACK}' instead")
+    set_qdisc(dev, FQ_CODEL_FALLBACK, parent)
+    return FQ_CODEL_FALLBACK
+
+
+def wait_backlog_zero(dev: str, stall_s: float = 60.0, poll_s: float = 0.2) -> dict:
+    """Wait until the whole qdisc tree of dev is empty. Fails only when the
+    backlog has not shrunk for stall_s seconds (a stall, not slowness)."""
+    best = None
+    last_change = time.monotonic()
+    while True:
+        t = qdisc_totals(dev)
+        if t["qlen"] == 0:
+            return t
+        if best is None or t["qlen"] < best:
+            best = t["qlen"]
+            last_change = time.monotonic()
+        elif time.monotonic() - last_change > stall_s:
+            raise AssertionError(
+                f"STALL: qdisc backlog on {dev} stuck at {t['qlen']}p for "
+                f"{stall_s:.0f}s ({t}); tx_dropped={tx_dropped(dev)}")
+        time.sleep(poll_s)
+
+
+def ethtool_priv_flags(dev: str) -> dict[str, bool]:
+    r = sh(f"ethtool --show-priv-flags {dev}", check=False)
+    flags = {}
+    for line in r.stdout.splitlines():
+        if ":" in line and not line.lower().startswith("private flags"):
+            k, v = line.split(":", 1)
+            flags[k.strip()] = v.strip() == "on"
+    return flags
+
+
+# --- device setup ----------------------------------------------------------------
+def setup_ip(dev: str, tap: bool, txqueuelen: int | None = None) -> None:
+    """Address, route (connected /24) and, for TAP, a permanent neighbour, so
+    UDP to PEER_IP leaves through dev with no ARP/ND traffic of its own."""
+    if txqueuelen is not None:
+        sh(f"ip link set dev {dev} txqueuelen {txqueuelen}")
+    sh(f"ip addr add {LOCAL_IP}/{PREFIX} dev {dev}")
+    sh(f"ip link set dev {dev} up")
+    if tap:
+        sh(f"ip neigh replace {PEER_IP} lladdr {PEER_MAC} dev {dev} nud permanent")
+
+
+# --- C helpers ---------------------------------------------------------------------
+@dataclass
+class Tools:
+    dir: str
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+
+class Reader:
+    """A running tools/tunreader process, driven over its stdin."""
+
+    def __init__(self, proc: subprocess.Popen, label: str):
+        self.proc = proc
+        self.label = label
+        self._buf = b""
+        self.last: dict = {}
+        self.ready = self._reply(60)
+
+    def _readline(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"tunreader {self.label}: no answer in {timeout}s")
+            r, _, _ = select.select([fd], [], [], left)
+            if r:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                    raise AssertionError(f"tunreader {self.label} exited "
+                                         f"(rc={self.proc.poll()}): {err}")
+                self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line.decode()
+
+    def _reply(self, timeout: float) -> dict:
+        self.last = json.loads(self._readline(timeout))
+        return self.last
+
+    def cmd(self, text: str, timeout: float = 60) -> dict:
+        self.proc.stdin.write((text + "\n").encode())
+        self.proc.stdin.flush()
+        return self._reply(timeout)
+
+    def go(self) -> dict:
+        return self.cmd("go")
+
+    def pause(self) -> dict:
+        return self.cmd("pause")
+
+    def stat(self) -> dict:
+        return self.cmd("stat")
+
+    def wait(self, key: str, n: int, stall_s: float = 60.0) -> dict:
+        """Block until counter key reaches n or nothing was read for stall_s
+        seconds. Returns the counters; r["result"] is "ok" or "stall"."""
+        # the hard timeout only guards against a wedged tunreader
+        return self.cmd(f"wait {key} {n} {int(stall_s * 1000)}",
+                        timeout=stall_s * 20 + 600)
+
+    def quit(self) -> dict:
+        if self.proc.poll() is not None:
+            return self.last
+        try:
+            r = self.cmd("quit", timeout=30)
+        finally:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return r
+
+
+class Sender:
+    """A tools/udpburst process."""
+
+    def __init__(self, proc: subprocess.Popen, label: str):
+        self.proc = proc
+        self.label = label
+        self.result: dict | None = None
+
+    def start(self) -> None:
+        """Release a sender started with wait_stdin=True."""
+        self.proc.stdin.write(b"go\n")
+        self.proc.stdin.flush()
+
+    def finish(self, timeout: float = 300) -> dict:
+        """Wait for the sender to end by itself (its count reached)."""
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+            raise AssertionError(f"STALL: sender {self.label} still sending after "
+                                 f"{timeout}s (blocked?) stderr={err!r}")
+        if self.proc.returncode != 0:
+            raise AssertionError(f"sender {self.label} rc={self.proc.returncode}: {err!r}")
+        self.result = json.loads(out.decode().strip().splitlines()[-1])
+        return self.result
+
+    def stop(self, timeout: float = 60) -> dict:
+        """SIGTERM a continuous sender and collect its counts."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.finish(timeout)
+
+
+class Env:
+    """Per-test state: processes and fds to clean up, tools, feature bits."""
+
+    def __init__(self, tools: Tools, bp: bool):
+        self.tools = tools
+        self.bp = bp
+        self.procs: list[subprocess.Popen] = []
+        self.tuns: list[Tun] = []
+        self.persistent: list[tuple[str, int]] = []
+
+    # devices
+    def tun(self, name: str, flags: int, vnet_hdr_sz: int | None = None) -> Tun:
+        t = Tun(name, flags, vnet_hdr_sz)
+        self.tuns.append(t)
+        return t
+
+    def bp_flag(self) -> int:
+        """IFF_BACKPRESSURE when the kernel advertises it, else 0."""
+        return IFF_BACKPRESSURE if self.bp else 0
+
+    # processes
+    def _spawn(self, argv: list[str], pass_fds=()) -> subprocess.Popen:
+        log("+ " + " ".join(shlex.quote(a) for a in argv))
+        p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, pass_fds=tuple(pass_fds))
+        self.procs.append(p)
+        return p
+
+    def reader(self, tun: Tun | None = None, *, dev: str | None = None,
+               flags: int = 0, tap: bool = False, vnet: int = 0,
+               delay_us: int = 0, paused: bool = False, cpu: int | None = None,
+               label: str = "reader") -> Reader:
+        argv = [self.tools.path("tunreader")]
+        pass_fds = []
+        if tun is not None:
+            argv += ["--fd", str(tun.fd)]
+            pass_fds.append(tun.fd)
+        else:
+            argv += ["--dev", dev, "--flags", hex(flags)]
+        if tap:
+            argv.append("--tap")
+        if vnet:
+            argv += ["--vnet-hdr", str(vnet)]
+        if delay_us:
+            argv += ["--delay-us", str(delay_us)]
+        if paused:
+            argv.append("--paused")
+        if cpu is not None:
+            argv += ["--cpu", str(cpu)]
+        return Reader(self._spawn(argv, pass_fds), label)
+
+    def sender(self, count: int, *, size: int = 1000, ident: int = 0,
+               cpu: int | None = None, sndbuf: int | None = None,
+               sport: int | None = None, flows: int = 1, pps: int = 0,
+               wait_stdin: bool = False, dst: str = PEER_IP,
+               label: str | None = None) -> Sender:
+        argv = [self.tools.path("udpburst"), "--dst", dst, "--port", str(UDP_PORT),
+                "--count", str(count), "--size", str(size), "--id", str(ident)]
+        if cpu is not None:
+            argv += ["--cpu", str(cpu)]
+        if sndbuf:
+            argv += ["--sndbuf", str(sndbuf)]
+        if sport:
+            argv += ["--sport", str(sport), "--src", LOCAL_IP]
+        if flows > 1:
+            argv += ["--flows", str(flows)]
+        if pps:
+            argv += ["--pps", str(pps)]
+        if wait_stdin:
+            argv.append("--wait-stdin")
+        return Sender(self._spawn(argv), label or f"udpburst#{ident}")
+
+    def burst(self, count: int, **kw) -> dict:
+        """Send count datagrams and wait for the sender to finish."""
+        s = self.sender(count, **kw)
+        r = s.finish()
+        log(f"sender {s.label}: {r}")
+        return r
+
+    def cleanup(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.kill()
+                except ProcessLookupError:
+                    pass
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            for s in (p.stdin, p.stdout, p.stderr):
+                try:
+                    if s:
+                        s.close()
+                except OSError:
+                    pass
+        for name, flags in self.persistent:
+            try:
+                t = Tun(name, flags)
+                t.set_persist(False)
+                t.close()
+            except OSError:
+                pass
+        for t in self.tuns:
+            t.close()
+
+
+def cpus() -> list[int]:
+    """CPUs this process may run on (taskset-aware)."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def udp_socket_from(sport: int) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((LOCAL_IP, sport))
+    return s
+
+
+def probe_payload(ident: int, seq: int) -> bytes:
+    return b"NDRP" + struct.pack("!III", ident, seq, 0) + b"\0" * 48
+
+
+def read_all_nonblocking(fd: int) -> list[bytes]:
+    pkts = []
+    while True:
+        try:
+            pkts.append(os.read(fd, 65536))
+        except BlockingIOError:
+            return pkts
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EBADFD):
+                return pkts
+            raise
