@@ -134,6 +134,10 @@ def env(tools, bp, request):
             signal.signal(signal.SIGALRM, old)
     lines = kmsg.new_lines()
     bad = [l for l in lines if SPLAT.search(l)]
+    allowed = [l for l in bad if any(a in l for a in e.kmsg_allowed)]
+    bad = [l for l in bad if l not in allowed]
+    if allowed:
+        print(f"RECORDED kernel messages ({len(allowed)}):\n" + "\n".join(allowed[:20]))
     res = os.environ.get("NODROP_RESULTS")
     if lines and res and os.path.isdir(res):
         name = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.name)

@@ -277,13 +277,15 @@ def set_fq_codel(dev: str, parent: str = "root") -> str:
     return FQ_CODEL_FALLBACK
 
 
-def wait_backlog_zero(dev: str, stall_s: float = 60.0, poll_s: float = 0.2) -> dict:
-    """Wait until the whole qdisc tree of dev is empty. Fails only when the
-    backlog has not shrunk for stall_s seconds (a stall, not slowness)."""
+def wait_backlog_zero(dev: str, stall_s: float = 60.0, poll_s: float = 0.2,
+                      parent: str | None = None) -> dict:
+    """Wait until the whole qdisc tree of dev (or the qdisc below `parent`)
+    is empty. Fails only when the backlog has not shrunk for stall_s seconds
+    (a stall, not slowness)."""
     best = None
     last_change = time.monotonic()
     while True:
-        t = qdisc_totals(dev)
+        t = qdisc_totals(dev) if parent is None else qdisc_by_parent(dev, parent)
         if t["qlen"] == 0:
             return t
         if best is None or t["qlen"] < best:
@@ -291,7 +293,7 @@ def wait_backlog_zero(dev: str, stall_s: float = 60.0, poll_s: float = 0.2) -> d
             last_change = time.monotonic()
         elif time.monotonic() - last_change > stall_s:
             raise AssertionError(
-                f"STALL: qdisc backlog on {dev} stuck at {t['qlen']}p for "
+                f"STALL: qdisc backlog on {dev} {parent or ''} stuck at {t['qlen']}p for "
                 f"{stall_s:.0f}s ({t}); tx_dropped={tx_dropped(dev)}")
         time.sleep(poll_s)
 
@@ -437,6 +439,11 @@ class Env:
         self.procs: list[subprocess.Popen] = []
         self.tuns: list[Tun] = []
         self.persistent: list[tuple[str, int]] = []
+        # kernel log patterns this test expects and only records
+        self.kmsg_allowed: list[str] = []
+
+    def allow_kmsg(self, pattern: str) -> None:
+        self.kmsg_allowed.append(pattern)
 
     # devices
     def tun(self, name: str, flags: int, vnet_hdr_sz: int | None = None) -> Tun:
@@ -525,12 +532,14 @@ class Env:
                 except OSError:
                     pass
         for name, flags in self.persistent:
-            try:
-                t = Tun(name, flags)
+            for f in (flags, flags ^ IFF_BACKPRESSURE):
+                try:
+                    t = Tun(name, f)
+                except OSError:
+                    continue
                 t.set_persist(False)
                 t.close()
-            except OSError:
-                pass
+                break
         for t in self.tuns:
             t.close()
 
