@@ -36,7 +36,7 @@ import pytest
 
 from tunlib import (IFF_NO_PI, IFF_TAP, IFF_TUN, LOCAL_IP, PEER_IP, PEER_MAC,
                     cpus, ethtool_priv_flags, log, qdisc_totals, qsummary,
-                    root_qdisc, set_fq_codel, set_qdisc, setup_ip, sh,
+                    root_qdisc, set_fq_codel, set_qdisc, setup_ip,
                     tx_dropped, wait_backlog_zero)
 
 RING = 256

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
-from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TUN, log, qdisc_totals,
-                    qsummary, root_qdisc, set_fq_codel, set_qdisc, setup_ip, sh,
+from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TUN, log, qsummary,
+                    root_qdisc, set_fq_codel, set_qdisc, setup_ip, sh,
                     tx_dropped, wait_backlog_zero)
 
 RING = 256

@@ -21,8 +21,6 @@ from __future__ import annotations
 import select
 import time
 
-import pytest
-
 from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TUN, PEER_IP, UDP_PORT,
                     log, probe_payload, qdisc_by_parent, qsummary,
                     read_all_nonblocking, set_fq_codel, setup_ip, sh,

@@ -25,7 +25,7 @@ import socket
 import struct
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # --- uapi: include/uapi/linux/if_tun.h --------------------------------------
 IFF_TUN = 0x0001
