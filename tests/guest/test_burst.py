@@ -124,7 +124,8 @@ def test_noqueue_legacy(env, record_property):
     assert s["sent"] == N, f"sender: {s}"
 
     drops = tx_dropped(t.name) - d0
-    summary = f"[noqueue bp={env.bp}] tx_dropped={drops} send_errors={s['errors']}"
+    summary = (f"[noqueue bp={env.bp}] tx_dropped={drops} (so the ring kept "
+               f"{N - drops}, txqueuelen={RING}) send_errors={s['errors']}")
     log(summary)
     record_property("tx_dropped", drops)
     assert drops == N - RING, f"expected legacy tail-drop tx_dropped={N - RING}; {summary}"
