@@ -1,0 +1,38 @@
+# NODROP top-level Makefile: thin wrappers around the lab orchestrator
+# (lab/nodroplab, Python 3 stdlib). See README.md and docs/lab.md.
+#
+#   make test                      deps, fetch, tools, build + boot + guest suite
+#   make test FLAVORS=mainline-7.3 other flavors (lab/flavors.toml)
+#   make bench                     kernel matrix (and bench/run once it exists)
+#   make kernel FLAVOR=nodrop-6.12 build or reuse one kernel, print its bzImage
+#   make run FLAVOR=stock-6.12 CMD='ip -s link'
+#   make tools | deps | fetch | flavors | kvm
+
+PYTHON ?= python3
+LAB = PYTHONPATH=$(CURDIR)/lab PYTHONDONTWRITEBYTECODE=1 $(PYTHON) -m nodroplab
+
+.PHONY: test bench kernel run tools deps fetch flavors kvm help
+
+# $(call sq,VAR): VAR's unexpanded text as one single-quoted shell word, so
+# CMD='ip -s link show; echo $$HOME' reaches the guest shell untouched.
+sq = '$(subst ','\'',$(value $(1)))'
+
+test:
+	$(LAB) test $(FLAVORS)
+
+bench:
+	$(LAB) bench $(FLAVORS)
+
+kernel:
+	@test -n '$(FLAVOR)' || { echo "usage: make kernel FLAVOR=<flavor>  (make flavors lists them)" >&2; exit 2; }
+	$(LAB) kernel $(call sq,FLAVOR)
+
+run:
+	@test -n '$(FLAVOR)' || { echo "usage: make run FLAVOR=<flavor> CMD='<shell command>'" >&2; exit 2; }
+	$(LAB) run $(call sq,FLAVOR) -- $(call sq,CMD)
+
+tools deps fetch flavors kvm:
+	$(LAB) $@
+
+help:
+	@sed -n '2,11p' Makefile

@@ -1,0 +1,117 @@
+"""NODROP lab orchestrator: `python3 -m nodroplab <command>` (PYTHONPATH=lab).
+
+Commands: deps, fetch, kernel, run, test, bench, tools, flavors, kvm.
+Environment: NODROP_CACHE (default ~/.cache/nodrop), NODROP_JOBS (make -j),
+NODROP_KVM (auto|0|1), NODROP_TIMEOUT (guest command timeout, s),
+NODROP_PYTHON (interpreter for vng and the in-guest pytest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from . import deps as deps_mod
+from .common import LabError, require_root, say
+from .fetch import fetch_all
+from .kernel import kernel
+from .matrix import load
+from .suite import build_tools, cmd_bench, cmd_run, cmd_test
+from .vm import kvm_probe
+
+
+def _flavors(mx, names, default):
+    names = names or default
+    return [mx.flavor(n) for n in names]          # unknown name -> LabError listing valid ones
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nodroplab", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("deps", help="install missing host packages (apt) and virtme-ng/pytest (pip)")
+    p = sub.add_parser("fetch", help="download + extract the pinned source packages")
+    p.add_argument("flavors", nargs="*")
+    p = sub.add_parser("kernel", help="build (or reuse) a flavor; prints the bzImage path")
+    p.add_argument("flavor")
+    p.add_argument("--rebuild", action="store_true",
+                   help="run make even if the stamp says up to date (incremental)")
+    p = sub.add_parser("run", help="boot a flavor and run CMD as root in the guest")
+    p.add_argument("flavor")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="shell command line")
+    p = sub.add_parser("test", help="build, boot and run the guest suite per flavor")
+    p.add_argument("flavors", nargs="*")
+    p = sub.add_parser("bench", help="build, boot each flavor, print the kernel matrix "
+                                     "(runs bench/run in the guest if it exists)")
+    p.add_argument("flavors", nargs="*")
+    sub.add_parser("tools", help="make -C tools OUT=<repo>/tools/build")
+    sub.add_parser("flavors", help="list the flavors of lab/flavors.toml")
+    sub.add_parser("kvm", help="probe whether QEMU can use KVM here")
+    a = ap.parse_args(argv)
+
+    mx = load()
+    if a.cmd == "flavors":
+        for name, fl in mx.flavors.items():
+            print(f"{name:<16} {fl.source.package} {fl.source.version}"
+                  f"{'  series ' + str(fl.series) if fl.series else ''}  {fl.description}")
+        return 0
+    if a.cmd == "deps":
+        deps_mod.deps()
+        return 0
+    if a.cmd == "kvm":
+        ok, why = kvm_probe()
+        print(f"kvm: {'yes' if ok else 'no'} ({why})")
+        return 0
+    if a.cmd == "tools":
+        out = build_tools()
+        if out:
+            print(out)
+        return 0
+    if a.cmd == "fetch":
+        fls = _flavors(mx, a.flavors, list(mx.flavors))
+        require_root()
+        deps_mod.ensure_apt(["xz-utils"])
+        fetch_all(list({f.source.name: f.source for f in fls}.values()))
+        return 0
+    if a.cmd == "kernel":
+        fl = mx.flavor(a.flavor)
+        deps_mod.deps()
+        b = kernel(fl, rebuild=a.rebuild)
+        print(b.bzimage)
+        return 0
+    if a.cmd == "run":
+        fl = mx.flavor(a.flavor)
+        cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
+        if not cmd or not " ".join(cmd).strip():
+            raise LabError("run: no command given (make run FLAVOR=x CMD='...')", rc=2)
+        deps_mod.deps()
+        return cmd_run(fl, " ".join(cmd))
+    if a.cmd == "test":
+        fls = _flavors(mx, a.flavors, mx.test_default)
+        deps_mod.deps()
+        fetch_all(list({f.source.name: f.source for f in fls}.values()))
+        return cmd_test(fls)
+    if a.cmd == "bench":
+        fls = _flavors(mx, a.flavors, mx.bench_default)
+        deps_mod.deps()
+        fetch_all(list({f.source.name: f.source for f in fls}.values()))
+        return cmd_bench(fls)
+    return 2
+
+
+def _on_term(signum, frame):
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGHUP, _on_term)
+    try:
+        sys.exit(main())
+    except LabError as e:
+        print(f"lab: error: {e}", file=sys.stderr)
+        sys.exit(e.rc)
+    except KeyboardInterrupt:
+        say("interrupted (QEMU and make stopped)")
+        sys.exit(130)

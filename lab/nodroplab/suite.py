@@ -1,0 +1,295 @@
+"""`run`, `test`, `bench`, `tools`: build + boot + run things in the guest."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from .common import (REPO, RESULTS, TOOLS_OUT, LabError, now_iso, run, say, timestamp)
+from .deps import lab_python
+from .kernel import Built, kernel
+from .matrix import Flavor
+from .vm import GuestResult, boot_and_run, guest_env, report_failure
+
+SELFTEST = REPO / "lab" / "selftest"
+GUEST_TESTS = REPO / "tests" / "guest"
+BENCH = REPO / "bench" / "run"
+
+
+def timeout_s(default: float) -> float:
+    return float(os.environ.get("NODROP_TIMEOUT", default))
+
+
+def new_results_dir(kind: str) -> Path:
+    ts = timestamp()
+    d = RESULTS / ts
+    n = 1
+    while d.exists():
+        n += 1
+        d = RESULTS / f"{ts}-{n}"
+    d.mkdir(parents=True)
+    latest = RESULTS / "latest"
+    try:
+        if latest.is_symlink() or latest.exists():
+            latest.unlink()
+        latest.symlink_to(d.name)
+    except OSError:
+        pass
+    (d / "kind").write_text(kind + "\n")
+    return d
+
+
+def build_tools() -> Path | None:
+    mk = REPO / "tools" / "Makefile"
+    if not mk.exists():
+        say("no tools/Makefile yet: skipping the tools build")
+        return None
+    run(["make", "-s", "-C", str(REPO / "tools"), f"OUT={TOOLS_OUT}"], quiet=False)
+    return TOOLS_OUT
+
+
+def _env_for(b: Built, rw: Path, tools: Path | None) -> dict[str, str]:
+    return guest_env({
+        "NODROP_FLAVOR": b.flavor.name,
+        "NODROP_RESULTS": str(rw),
+        "NODROP_TOOLS": str(tools or TOOLS_OUT),
+        "NODROP_REPO": str(REPO),
+        "NODROP_KERNELRELEASE": b.kernelrelease,
+        "NODROP_UPSTREAM_VERSION": b.upstream,
+        "NODROP_SOURCE_PACKAGE": b.flavor.source.package,
+        "NODROP_SOURCE_VERSION": b.flavor.source.version,
+        "NODROP_SERIES_SHA256": b.series_hash,
+    })
+
+
+def _meta(b: Built, res: GuestResult | None, extra: dict | None = None) -> dict:
+    fl = b.flavor
+    m = {
+        "flavor": fl.name,
+        "description": fl.description,
+        "source": {"package": fl.source.package, "version": fl.source.version,
+                   "suite": fl.source.suite, "deb_sha256": fl.source.sha256,
+                   "upstream_version": b.upstream},
+        "series": {"file": str(fl.series.relative_to(REPO)) if fl.series else None,
+                   "sha256": b.series_hash, "patches": b.patches},
+        "config": {"fragments": [str(f.relative_to(REPO)) for f in fl.fragments],
+                   "hash": b.config_hash, "localversion": fl.localversion},
+        "kernelrelease_built": b.kernelrelease,
+        "bzimage": str(b.bzimage),
+        "build_dir": str(b.build_dir),
+        "build": {"reused": b.reused, "seconds": b.build_seconds},
+        "host": {"kernel": platform.release(), "python": lab_python()},
+        "finished": now_iso(),
+    }
+    if res is not None:
+        m["guest"] = {"uname_r": res.uname, "rc": res.rc, "booted": res.booted,
+                      "kvm": res.kvm, "boot_seconds": _r(res.boot_seconds),
+                      "guest_uptime_at_start": res.guest_uptime,
+                      "wall_seconds": _r(res.wall_seconds), "timed_out": res.timed_out}
+    m.update(extra or {})
+    return m
+
+
+def _r(x):
+    return None if x is None else round(x, 2)
+
+
+def _write_meta(rw: Path, meta: dict) -> None:
+    (rw / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+# --- run ------------------------------------------------------------------------
+
+def cmd_run(fl: Flavor, command: str) -> int:
+    try:
+        tools = build_tools()
+    except LabError as e:
+        say(f"warning: tools build failed, continuing: {e}")
+        tools = None
+    b = kernel(fl)
+    rw = new_results_dir("run") / fl.name
+    rw.mkdir()
+    res = boot_and_run(b.bzimage, command, rw, env=_env_for(b, rw, tools), cwd=Path.cwd(),
+                       timeout=timeout_s(3600))
+    _write_meta(rw, _meta(b, res, {"command": command}))
+    if res.rc is None:
+        raise LabError(report_failure(res, f"{fl.name}: run"))
+    say(f"{fl.name}: {res.uname}: exit {res.rc} (results: {rw})")
+    return res.rc
+
+
+# --- test -----------------------------------------------------------------------
+
+def _junit_counts(path: Path) -> tuple[int, int, int, list[str]]:
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return 0, 0, 0, []
+    p = f = s = 0
+    failed = []
+    for tc in root.iter("testcase"):
+        name = f"{tc.get('classname', '')}::{tc.get('name', '')}"
+        if tc.find("failure") is not None or tc.find("error") is not None:
+            f += 1
+            failed.append(name)
+        elif tc.find("skipped") is not None:
+            s += 1
+        else:
+            p += 1
+    return p, f, s, failed
+
+
+def _test_command(py: str, rw: Path) -> str:
+    q = shlex.quote
+    lines = [
+        f"cd {q(str(REPO))}",
+        f"{q(py)} -m pytest {q(str(SELFTEST.relative_to(REPO)))} -p no:cacheprovider -v "
+        f"--junitxml={q(str(rw / 'junit-selftest.xml'))}",
+        f"echo $? > {q(str(rw / '.nodrop' / 'rc-selftest'))}",
+    ]
+    if GUEST_TESTS.is_dir():
+        lines += [
+            f"{q(py)} -m pytest {q(str(GUEST_TESTS.relative_to(REPO)))} -p no:cacheprovider -v "
+            f"--junitxml={q(str(rw / 'junit.xml'))}",
+            f"echo $? > {q(str(rw / '.nodrop' / 'rc-guest'))}",
+        ]
+    else:
+        lines.append("echo 'tests/guest does not exist yet: only the lab selftest ran'")
+    return "\n".join(lines)
+
+
+def _suite_result(rw: Path, name: str, junit: str) -> dict:
+    rc_file = rw / ".nodrop" / f"rc-{name}"
+    try:
+        rc = int(rc_file.read_text().strip())
+    except (OSError, ValueError):
+        rc = None
+    p, f, s, failed = _junit_counts(rw / junit)
+    notes = []
+    if rc is None:
+        notes.append(f"{name}: pytest did not finish")
+        f += 1
+    elif rc == 5:
+        notes.append(f"{name}: no tests collected")
+    elif rc not in (0, 1) or (rc == 1 and f == 0):
+        notes.append(f"{name}: pytest exit {rc}")
+        f += 1
+    return {"rc": rc, "passed": p, "failed": f, "skipped": s, "failed_tests": failed,
+            "notes": notes}
+
+
+def cmd_test(flavors: list[Flavor]) -> int:
+    py = lab_python()
+    tools = build_tools()
+    out = new_results_dir("test")
+    say(f"results: {out}")
+    rows = []
+    for fl in flavors:
+        row = {"flavor": fl.name, "kernel": "-", "passed": 0, "failed": 0, "skipped": 0,
+               "status": "ok", "notes": []}
+        rows.append(row)
+        rw = out / fl.name
+        rw.mkdir()
+        try:
+            b = kernel(fl)
+        except LabError as e:
+            say(f"error: {e}")
+            row.update(status="build failed", failed=1, notes=[str(e).splitlines()[0]])
+            (rw / "meta.json").write_text(json.dumps({"flavor": fl.name, "error": str(e)},
+                                                     indent=2) + "\n")
+            continue
+        say(f"=== {fl.name}: {b.kernelrelease} ({b.flavor.source.package} "
+            f"{b.flavor.source.version}, series {b.series_hash[:12]}) ===")
+        res = boot_and_run(b.bzimage, _test_command(py, rw), rw, env=_env_for(b, rw, tools),
+                           cwd=REPO, timeout=timeout_s(3600))
+        row["kernel"] = res.uname or "-"
+        suites = {"selftest": _suite_result(rw, "selftest", "junit-selftest.xml")}
+        if GUEST_TESTS.is_dir():
+            suites["guest"] = _suite_result(rw, "guest", "junit.xml")
+        for s in suites.values():
+            for k in ("passed", "failed", "skipped"):
+                row[k] += s[k]
+            row["notes"] += s["notes"]
+        if res.rc is None:
+            row["status"] = "boot failed" if not res.booted else "guest died"
+            row["failed"] = max(row["failed"], 1)
+            say(report_failure(res, fl.name))
+        elif row["failed"]:
+            row["status"] = "failed"
+        _write_meta(rw, _meta(b, res, {"suites": suites}))
+    (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return _print_table(rows, out)
+
+
+def _print_table(rows: list[dict], out: Path) -> int:
+    w = max([len(r["flavor"]) for r in rows] + [6])
+    k = max([len(r["kernel"]) for r in rows] + [6])
+    print()
+    print(f"{'flavor':<{w}}  {'kernel':<{k}}  {'passed':>6}  {'failed':>6}  {'skipped':>7}  status")
+    for r in rows:
+        print(f"{r['flavor']:<{w}}  {r['kernel']:<{k}}  {r['passed']:>6}  {r['failed']:>6}  "
+              f"{r['skipped']:>7}  {r['status']}" + (f"  ({'; '.join(r['notes'])})"
+                                                    if r["notes"] else ""))
+    print(f"results: {out}")
+    tp = sum(r["passed"] for r in rows)
+    tf = sum(r["failed"] for r in rows)
+    ts = sum(r["skipped"] for r in rows)
+    print(f"{tp} passed, {tf} failed, {ts} skipped", flush=True)
+    return 1 if tf or any(r["status"] != "ok" for r in rows) else 0
+
+
+# --- bench ----------------------------------------------------------------------
+
+def cmd_bench(flavors: list[Flavor]) -> int:
+    tools = build_tools()
+    out = new_results_dir("bench")
+    rows = []
+    bad = False
+    for fl in flavors:
+        rw = out / fl.name
+        rw.mkdir()
+        row = {"flavor": fl.name, "uname": "-", "package": f"{fl.source.package} "
+               f"{fl.source.version}", "series": "-", "boot": "-", "bench": "-"}
+        rows.append(row)
+        try:
+            b = kernel(fl)
+        except LabError as e:
+            say(f"error: {e}")
+            row["bench"] = "build failed"
+            bad = True
+            continue
+        row["series"] = b.series_hash[:12]
+        # Extension point: an executable bench/run (owned by the benchmark work)
+        # runs in the guest from the repo root; it writes into $NODROP_BENCH_OUT.
+        cmd = (f"if [ -x {shlex.quote(str(BENCH))} ]; then {shlex.quote(str(BENCH))}; "
+               f"else echo 'no bench/run yet: kernel matrix only'; uname -a; fi")
+        env = _env_for(b, rw, tools)
+        env["NODROP_BENCH_OUT"] = str(rw)
+        res = boot_and_run(b.bzimage, cmd, rw, env=env, cwd=REPO, timeout=timeout_s(7200))
+        row["uname"] = res.uname or "-"
+        row["boot"] = f"{res.boot_seconds:.1f}s" if res.boot_seconds else "-"
+        if res.rc is None:
+            row["bench"] = "boot failed" if not res.booted else "guest died"
+            say(report_failure(res, fl.name))
+            bad = True
+        else:
+            row["bench"] = ("ok" if res.rc == 0 else f"exit {res.rc}") + \
+                           ("" if BENCH.exists() else " (no bench/run)")
+            bad |= res.rc != 0
+        _write_meta(rw, _meta(b, res, {"command": cmd}))
+    (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    cols = [("flavor", "flavor"), ("uname -r", "uname"), ("source package", "package"),
+            ("series sha256", "series"), ("boot", "boot"), ("bench", "bench")]
+    widths = [max(len(h), *(len(r[key]) for r in rows)) for h, key in cols]
+    print()
+    print("  ".join(h.ljust(wd) for (h, _), wd in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(r[key].ljust(wd) for (_, key), wd in zip(cols, widths)))
+    print(f"results: {out}")
+    return 1 if bad else 0
