@@ -308,6 +308,40 @@ def ethtool_priv_flags(dev: str) -> dict[str, bool]:
     return flags
 
 
+def has_priv_flag(dev: str, name: str) -> bool:
+    """The device lists the ethtool private flag `name` (on or off)."""
+    return name in ethtool_priv_flags(dev)
+
+
+def set_priv_flag(dev: str, name: str, on: bool,
+                  check: bool = True, prefix: str = "") -> subprocess.CompletedProcess:
+    """`ethtool --set-priv-flags dev name on|off`, optionally run through a
+    command prefix (e.g. "unshare -U -r"). check=False returns the result
+    of a refused change instead of raising."""
+    return sh(f"{prefix} ethtool --set-priv-flags {dev} {name} {'on' if on else 'off'}".strip(),
+              check=check)
+
+
+def ethtool_stats(dev: str) -> dict[str, int]:
+    """`ethtool -S dev` as {name: value}; {} for "no stats available"."""
+    r = sh(f"ethtool -S {dev}", check=False)
+    stats = {}
+    for line in r.stdout.splitlines():
+        k, sep, v = line.rpartition(":")
+        if sep and v.strip().lstrip("-").isdigit():
+            stats[k.strip()] = int(v)
+    return stats
+
+
+def tun_flags_sysfs(dev: str) -> int:
+    """/sys/class/net/<dev>/tun_flags as seen from the caller's netns: sysfs
+    shows the netns it was mounted in, so mount a fresh one in a private
+    mount namespace (root only)."""
+    r = sh("unshare -m --propagation private sh -c "
+           f"'mount -t sysfs sysfs /sys && cat /sys/class/net/{dev}/tun_flags'")
+    return int(r.stdout.strip(), 16)
+
+
 # --- device setup ----------------------------------------------------------------
 def setup_ip(dev: str, tap: bool, txqueuelen: int | None = None) -> None:
     """Address, route (connected /24) and, for TAP, a permanent neighbour, so
