@@ -1,0 +1,533 @@
+"""What an operator sees: the `backpressure` ethtool private flag and the
+per-queue counters in `ethtool -S` (NODROP patches 0008 and 0009).
+
+Feature detection: a tun device listing the private flag `backpressure`
+(`ethtool --show-priv-flags`); such a kernel must also report
+IFF_BACKPRESSURE in TUNGETFEATURES. Without the flag (stock 6.12, mainline)
+these tests skip, except test_openvpn_unmodified[off], which asserts what
+every kernel does: tail-drop.
+
+test_privflag_toggle_under_overload: a program that does not ask for
+    backpressure, a slow reader and an overloading sender. The flag is
+    switched under load: off -> tx_dropped grows; on -> over a window that
+    starts after the switch, tx_dropped and ring_full_drops do not grow
+    and the queue stops; and so on for a few toggles. After each phase:
+    no stall (the load stops, the backlog drains to 0, a fresh burst of
+    100 arrives complete). TUNGETIFF, tun_flags and the flag agree.
+test_privflag_unprivileged: without CAP_NET_ADMIN over the device's netns
+    (an unprivileged user namespace, or a uid-dropped process) the change
+    is refused and the state is unchanged.
+test_counters_per_attached_queue: ethtool -S lists the three counters per
+    attached queue, nothing for a persistent device with no queue.
+test_counters_burst: 1000 x 1000 B into txqueuelen 25, paused reader,
+    fq_codel: with backpressure (priv flag or IFF_BACKPRESSURE) the queue
+    stopped and woke, ring_full_drops 0, all 1000 delivered; without it
+    ring_full_drops == tx_dropped == 975 and no stop.
+test_openvpn_unmodified: Debian's OpenVPN (static key, tun on both ends,
+    two netns over a veth) is the unmodified program: tail drops on the
+    sending tun with the flag off, none once an operator switched it on.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import struct
+import sys
+import tempfile
+import time
+
+import pytest
+
+from test_lifecycle import quiesce
+from tunlib import (IFF_BACKPRESSURE, IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TUN,
+                    Reader, dev_stats, ethtool_priv_flags, ethtool_stats,
+                    has_priv_flag, log, qdisc_totals, qsummary, root_qdisc,
+                    set_fq_codel, set_priv_flag, setup_ip, sh, tun_flags_sysfs,
+                    tx_dropped, wait_backlog_zero)
+
+FLAG = "backpressure"
+RING = 25             # txqueuelen
+N = 1000              # burst size
+SIZE = 1000           # UDP payload bytes
+SNDBUF = 16 << 20     # a burst sender must never block
+STALL_S = 60.0
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# --- helpers ------------------------------------------------------------------
+def require_privflag(env, dev: str) -> None:
+    """Skip unless dev lists the NODROP private flag; such a kernel must
+    also advertise IFF_BACKPRESSURE."""
+    priv = ethtool_priv_flags(dev)
+    if FLAG not in priv:
+        pytest.skip(f"{dev} has no ethtool private flag '{FLAG}' (private flags: "
+                    f"{priv or 'none'}): kernel without the NODROP operator switch")
+    assert env.bp, (f"{dev} lists the private flag '{FLAG}' but TUNGETFEATURES "
+                    "does not report IFF_BACKPRESSURE")
+
+
+def qcounters(dev: str, q: int = 0) -> dict | None:
+    """Queue q's NODROP counters from ethtool -S, None if not listed."""
+    s = ethtool_stats(dev)
+    keys = {k: f"tx_queue_{q}_{k}" for k in ("bp_stops", "bp_wakes", "ring_full_drops")}
+    if not all(v in s for v in keys.values()):
+        return None
+    return {k: s[v] for k, v in keys.items()}
+
+
+def possible_cpus() -> int:
+    n = 0
+    with open("/sys/devices/system/cpu/possible") as f:
+        for part in f.read().strip().split(","):
+            lo, _, hi = part.partition("-")
+            n += int(hi or lo) - int(lo) + 1
+    return n
+
+
+def cdelta(a: dict | None, b: dict | None) -> dict | None:
+    return None if a is None or b is None else {k: b[k] - a[k] for k in a}
+
+
+def state(dev: str, tun=None) -> dict:
+    """The backpressure state as every interface reports it."""
+    st = {"priv_flag": ethtool_priv_flags(dev).get(FLAG),
+          "tun_flags": bool(tun_flags_sysfs(dev) & IFF_BACKPRESSURE)}
+    if tun is not None:
+        st["TUNGETIFF"] = bool(tun.get_iff() & IFF_BACKPRESSURE)
+    return st
+
+
+def check_state(dev: str, on: bool, tun=None, what: str = "") -> dict:
+    st = state(dev, tun)
+    log(f"state {what}: {st}")
+    assert all(v == on for v in st.values()), \
+        f"backpressure should be {'on' if on else 'off'} {what}; reported {st}"
+    return st
+
+
+# --- 1. switching under overload ----------------------------------------------
+TOGGLES = (False, True, False, True, False, True)   # phase 0 is the default (off)
+READER_DELAY_US = 200
+WINDOW = 300          # packets of the load the reader gets per measurement window
+FRESH = 100
+SETTLE_S = 0.5        # let xmits that were in flight during the switch finish
+
+
+def phase_fresh_burst(env, dev: str, reader: Reader, pps: int) -> dict:
+    """No stall: backlog drains to 0, then a fresh burst arrives complete."""
+    q = wait_backlog_zero(dev, stall_s=STALL_S)
+    quiesce([reader])
+    d0 = tx_dropped(dev)
+    base = reader.stat()["per_id"][2]
+    s = env.burst(FRESH, ident=2, sndbuf=SNDBUF, pps=pps)
+    assert s["ok"] == FRESH, s
+    r = reader.wait("id2", base + FRESH, stall_s=STALL_S)
+    wait_backlog_zero(dev, stall_s=STALL_S)
+    time.sleep(0.3)
+    got = reader.stat()["per_id"][2] - base
+    res = {"drained_backlog": q["qlen"], "fresh_received": got,
+           "fresh_tx_dropped": tx_dropped(dev) - d0, "fresh_pps": pps or "max"}
+    assert r["result"] == "ok" and got == FRESH and res["fresh_tx_dropped"] == 0, \
+        f"STALL/loss: fresh burst not delivered completely: {res}"
+    return res
+
+
+def test_privflag_toggle_under_overload(env, record_property):
+    t = env.tun("ndop0", IFF_TUN | IFF_NO_PI)   # the program does not ask for it
+    dev = t.name
+    setup_ip(dev, tap=False, txqueuelen=RING)
+    require_privflag(env, dev)
+    qspec = set_fq_codel(dev)
+    check_state(dev, False, t, "after TUNSETIFF without the flag")
+    reader = env.reader(t, delay_us=READER_DELAY_US)
+    rows = []
+    for i, on in enumerate(TOGGLES):
+        mode = "on" if on else "off"
+        # whole-phase totals are taken while nothing moves (before the load,
+        # after the drain): under load, tx_dropped and ethtool -S cannot be
+        # read at the same instant
+        p0 = (tx_dropped(dev), qcounters(dev))
+        load = env.sender(0, ident=1, sport=43000, flows=8, label=f"load{i}")
+        r = reader.wait("id1", reader.stat()["per_id"][1] + 50, stall_s=STALL_S)
+        assert r["result"] == "ok", f"load does not reach the reader before phase {i}: {r}"
+        set_priv_flag(dev, FLAG, on)              # under load
+        check_state(dev, on, t, f"after switching {mode} under load (phase {i})")
+        time.sleep(SETTLE_S)
+        # the measurement window starts after the switch
+        d0, c0 = tx_dropped(dev), qcounters(dev)
+        base = reader.stat()["per_id"][1]
+        t0 = time.monotonic()
+        r = reader.wait("id1", base + WINDOW, stall_s=STALL_S)
+        elapsed = time.monotonic() - t0
+        d1, c1, q1 = tx_dropped(dev), qcounters(dev), root_qdisc(dev)
+        assert r["result"] == "ok", \
+            f"STALL in phase {i} ({mode}): reader stuck at {r['per_id'][1] - base}/{WINDOW}"
+        win = cdelta(c0, c1)
+        rate = WINDOW / max(elapsed, 1e-3)
+        row = {"phase": i, "mode": mode, "window_pkts": WINDOW,
+               "window_s": round(elapsed, 2), "reader_pps": int(rate),
+               "window_tx_dropped": d1 - d0, "window_counters": win,
+               "qdisc_at_window_end": qsummary(q1)}
+        s = load.stop()
+        # rate-limit the fresh burst in legacy mode: the ring would drop it
+        row.update(phase_fresh_burst(env, dev, reader,
+                                     0 if on else max(10, int(rate / 4))))
+        p1 = (tx_dropped(dev), qcounters(dev))
+        row["phase_tx_dropped"] = p1[0] - p0[0]
+        row["phase_counters"] = cdelta(p0[1], p1[1])
+        row["load_sent"] = s["sent"]
+        log(f"[{qspec}] {row}")
+        rows.append(row)
+        record_property(f"phase{i}_{mode}_window_tx_dropped", d1 - d0)
+        if on:
+            assert d1 - d0 == 0, f"backpressure on: tx_dropped grew in the window; {row}"
+            assert win["ring_full_drops"] == 0, f"ring_full_drops grew; {row}"
+            assert win["bp_stops"] > 0, f"overload but the queue never stopped; {row}"
+        else:
+            assert d1 - d0 > 0, f"backpressure off: expected legacy tail drops; {row}"
+            assert win["ring_full_drops"] > 0, f"ring_full_drops did not grow; {row}"
+            assert win["bp_stops"] == 0, f"off, yet the queue was stopped; {row}"
+        # every drop of this phase (switch included) was a ring-full drop
+        assert row["phase_counters"]["ring_full_drops"] == row["phase_tx_dropped"], \
+            f"ring_full_drops != tx_dropped over phase {i}; {row}"
+    check_state(dev, TOGGLES[-1], t, "at the end")
+    log("summary: " + "; ".join(
+        f"{r['mode']}: window tx_dropped={r['window_tx_dropped']} "
+        f"stops={r['window_counters']['bp_stops']} fresh={r['fresh_received']}/{FRESH}"
+        for r in rows))
+
+
+# --- 2. only CAP_NET_ADMIN in the device's netns may switch it ----------------
+UNPRIV = {
+    # CAP_NET_ADMIN, but in a user namespace that does not own the netns
+    "userns": "unshare -U -r",
+    # a plain unprivileged uid: setuid() away from root clears the capabilities
+    "setuid": "setpriv --reuid 65534 --regid 65534 --clear-groups",
+}
+
+
+@pytest.mark.parametrize("how", list(UNPRIV))
+def test_privflag_unprivileged(env, how, record_property):
+    t = env.tun("ndop1", IFF_TUN | IFF_NO_PI)
+    dev = t.name
+    require_privflag(env, dev)
+    if shutil.which(UNPRIV[how].split()[0]) is None:
+        pytest.skip(f"{UNPRIV[how].split()[0]} not installed")
+    for start in (False, True):
+        set_priv_flag(dev, FLAG, start)
+        before = check_state(dev, start, t, "set by root")
+        r = set_priv_flag(dev, FLAG, not start, check=False, prefix=UNPRIV[how])
+        err = (r.stderr + r.stdout).strip()
+        log(f"[{how}] '{UNPRIV[how]} ethtool --set-priv-flags {dev} {FLAG} "
+            f"{'off' if start else 'on'}' -> rc={r.returncode} {err!r}")
+        # reading is not privileged
+        seen = sh(f"{UNPRIV[how]} ethtool --show-priv-flags {dev}", check=False)
+        log(f"[{how}] unprivileged --show-priv-flags: rc={seen.returncode} "
+            f"{seen.stdout.strip()!r}")
+        after = check_state(dev, start, t, "after the refused change")
+        record_property(f"rc_from_{'on' if start else 'off'}", r.returncode)
+        assert r.returncode != 0, f"unprivileged change accepted: {err!r}"
+        assert "not permitted" in err.lower(), f"expected EPERM, got {err!r}"
+        assert before == after
+
+
+# --- 3. counters --------------------------------------------------------------
+def test_counters_per_attached_queue(env):
+    flags = IFF_TUN | IFF_NO_PI | IFF_MULTI_QUEUE
+    q0 = env.tun("ndop2", flags)
+    dev = q0.name
+    require_privflag(env, dev)
+    q0.set_persist(True)
+    env.persistent.append((dev, flags))
+    q1 = env.tun(dev, flags)
+    seen = {}
+    seen[2] = sorted(ethtool_stats(dev))
+    q1.close()
+    seen[1] = sorted(ethtool_stats(dev))
+    q0.close()
+    seen[0] = sorted(ethtool_stats(dev))
+    nostats = sh(f"ethtool -S {dev}", check=False)
+    log(f"attached queues -> ethtool -S names: {seen}; with none: "
+        f"rc={nostats.returncode} {(nostats.stdout + nostats.stderr).strip()!r}")
+    names = ("bp_stops", "bp_wakes", "ring_full_drops")
+    for n in (2, 1):
+        assert seen[n] == sorted(f"tx_queue_{q}_{k}" for q in range(n) for k in names), seen
+    assert seen[0] == [], f"persistent device without queues lists counters: {seen[0]}"
+
+
+MODES = [
+    pytest.param("privflag", id="privflag-on"),     # operator: ethtool priv flag
+    pytest.param("iff", id="iff-flag"),             # program: IFF_BACKPRESSURE
+    pytest.param("off", id="off"),                  # never on: ring == txqueuelen
+    pytest.param("off-after-on", id="off-after-on"),  # ring kept its bp size
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_counters_burst(env, mode, record_property):
+    flags = IFF_TUN | IFF_NO_PI | (IFF_BACKPRESSURE if mode == "iff" else 0)
+    t = env.tun("ndop3", flags)
+    dev = t.name
+    require_privflag(env, dev)
+    setup_ip(dev, tap=False, txqueuelen=RING)
+    if mode in ("privflag", "off-after-on"):
+        set_priv_flag(dev, FLAG, True)
+    if mode == "off-after-on":
+        set_priv_flag(dev, FLAG, False)
+    on = mode in ("privflag", "iff")
+    check_state(dev, on, t, f"mode {mode}")
+    qspec = set_fq_codel(dev)
+    reader = env.reader(t, paused=True)
+    c0 = qcounters(dev)
+    assert c0 == {"bp_stops": 0, "bp_wakes": 0, "ring_full_drops": 0}, \
+        f"counters of a fresh queue: {c0} (ethtool -S: {ethtool_stats(dev)})"
+    d0 = tx_dropped(dev)
+    s = env.burst(N, size=SIZE, ident=1, sndbuf=SNDBUF)
+    assert s["ok"] == N, s
+    c1, d1, q1 = qcounters(dev), tx_dropped(dev) - d0, root_qdisc(dev)
+    reader.go()
+    expect = N if on else N - d1
+    r = reader.wait("ours", expect, stall_s=STALL_S)
+    q2 = wait_backlog_zero(dev, stall_s=STALL_S)
+    time.sleep(0.3)
+    got = reader.stat()["ours"]
+    c2, d2 = qcounters(dev), tx_dropped(dev) - d0
+    summary = (f"[{mode} qdisc='{qspec}'] after burst: tx_dropped={d1} "
+               f"counters={c1} qdisc {qsummary(q1)}; after drain: received={got}/{N} "
+               f"tx_dropped={d2} counters={c2} backlog={q2['qlen']}p "
+               f"(stops-wakes={c2['bp_stops'] - c2['bp_wakes']})")
+    log(summary)
+    for k, v in c2.items():
+        record_property(k, v)
+    record_property("tx_dropped", d2)
+    assert r["result"] == "ok" and got == expect, f"reader: {r}; {summary}"
+    assert d2 == d1, f"drops while draining; {summary}"
+    assert c2["ring_full_drops"] == d2, f"ring_full_drops != tx_dropped; {summary}"
+    if on:
+        assert d2 == 0 and c2["ring_full_drops"] == 0, summary
+        # paused reader: stopped once when the ring reached txqueuelen, never woken
+        assert (c1["bp_stops"], c1["bp_wakes"]) == (1, 0), summary
+        assert q1["qlen"] == N - RING, summary
+        assert c2["bp_stops"] > 0 and c2["bp_wakes"] > 0, summary
+        assert got == N, summary
+    elif mode == "off":
+        assert d2 == N - RING and c2["ring_full_drops"] == N - RING, summary
+        assert c2["bp_stops"] == 0 and c2["bp_wakes"] == 0, summary
+    else:
+        # the ring keeps its backpressure size (txqueuelen + reserve) until
+        # the next txqueuelen change: it holds a few more than RING
+        held = N - d2
+        limit = RING + possible_cpus() - 1 + 15
+        log(f"off after on: the ring held {held} (txqueuelen {RING}, at most "
+            f"{limit} = txqueuelen + possible CPUs - 1 + 15)")
+        record_property("ring_held", held)
+        assert RING < held <= limit, summary
+        assert c2["bp_stops"] == 0, summary
+        # the next txqueuelen change resizes the ring for the legacy mode
+        reader.pause()
+        sh(f"ip link set dev {dev} txqueuelen {RING + 1}")
+        sh(f"ip link set dev {dev} txqueuelen {RING}")
+        d3 = tx_dropped(dev)
+        env.burst(N, size=SIZE, ident=2, sndbuf=SNDBUF)
+        again = tx_dropped(dev) - d3
+        log(f"after a txqueuelen change: burst of {N} -> tx_dropped={again}")
+        record_property("tx_dropped_after_resize", again)
+        assert again == N - RING, f"ring not resized to txqueuelen: tx_dropped={again}"
+
+
+# --- 4. an unmodified program: OpenVPN ----------------------------------------
+OPENVPN = "/usr/sbin/openvpn"
+UNDERLAY = ("198.18.1.1", "198.18.1.2")    # veth ndva (ours) -- ndvb (far netns)
+TUNNEL = ("198.18.2.1", "198.18.2.2")      # ndvpnA (ours) -- ndvpnB (far)
+VPN_N = 1000
+VPN_STALL_S = 180.0                        # OpenVPN under TCG is slow
+
+
+class FarNetns:
+    """A second network namespace, held by a sleeping process."""
+
+    def __init__(self, env):
+        own = os.readlink("/proc/self/ns/net")
+        self.proc = env._spawn(["unshare", "-n", "sleep", "infinity"])
+        self.pid = self.proc.pid
+        self.path = f"/proc/{self.pid}/ns/net"
+        deadline = time.monotonic() + 60
+        while os.readlink(self.path) == own:
+            assert time.monotonic() < deadline, "unshare -n did not create a netns"
+            time.sleep(0.05)
+
+    def argv(self, argv: list[str]) -> list[str]:
+        return ["nsenter", f"--net={self.path}"] + argv
+
+    def sh(self, cmd: str, check: bool = True):
+        return sh(f"nsenter --net={self.path} sh -c '{cmd}'", check=check)
+
+
+def icmp_ping(dst: str, timeout: float = 1.0) -> bool:
+    """One ICMP echo through the tunnel (raw socket; no ping binary needed)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+    try:
+        s.settimeout(timeout)
+        body = struct.pack("!BBHHH", 8, 0, 0, os.getpid() & 0xFFFF, 1) + b"NODROP-ping!"
+        c = sum(struct.unpack(f"!{len(body) // 2}H", body))   # even length
+        c = (c >> 16) + (c & 0xFFFF)
+        c = ~(c + (c >> 16)) & 0xFFFF
+        s.sendto(body[:2] + struct.pack("!H", c) + body[4:], (dst, 0))
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            pkt, addr = s.recvfrom(2048)
+            ihl = (pkt[0] & 0xF) * 4
+            if addr[0] == dst and pkt[ihl] == 0:   # echo reply
+                return True
+    except (socket.timeout, OSError):
+        return False
+    finally:
+        s.close()
+    return False
+
+
+def udp_snmp(far: FarNetns | None) -> dict:
+    cmd = "cat /proc/net/snmp"
+    text = far.sh(cmd).stdout if far else sh(cmd).stdout
+    lines = [l.split() for l in text.splitlines() if l.startswith("Udp:")]
+    return dict(zip(lines[0][1:], (int(x) for x in lines[1][1:])))
+
+
+def far_dev_stats(far: FarNetns, dev: str) -> dict:
+    line = [l for l in far.sh("cat /proc/net/dev").stdout.splitlines()
+            if l.strip().startswith(dev + ":")][0]
+    v = [int(x) for x in line.split(":", 1)[1].split()]
+    return {"rx_packets": v[1], "rx_dropped": v[3], "tx_packets": v[9], "tx_dropped": v[11]}
+
+
+def wait_log(path: str, text: str, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if os.path.exists(path) and text in open(path, errors="replace").read():
+            return
+        time.sleep(0.2)
+    tail = open(path, errors="replace").read()[-3000:] if os.path.exists(path) else ""
+    raise AssertionError(f"openvpn: no '{text}' in {path} after {timeout}s:\n{tail}")
+
+
+def vpn_burst(env, dev: str, far: FarNetns, sink: Reader, ident: int) -> dict:
+    """Send VPN_N datagrams through the tunnel; wait until all that will
+    arrive have arrived; return where they went."""
+    snap = lambda: (dev_stats(dev), qcounters(dev), qdisc_totals(dev),  # noqa: E731
+                    udp_snmp(None), udp_snmp(far), far_dev_stats(far, "ndvpnB"),
+                    far_dev_stats(far, "ndvb"))
+    a = snap()
+    base = sink.stat()["per_id"][ident]
+    s = env.burst(VPN_N, size=SIZE, ident=ident, sndbuf=SNDBUF, dst=TUNNEL[1])
+    assert s["ok"] == VPN_N, s
+    wait_backlog_zero(dev, stall_s=VPN_STALL_S)
+    # what is left in the ring goes out; then nothing arrives for 5 s
+    sink.wait(f"id{ident}", base + VPN_N, stall_s=5)
+    b = snap()
+    res = {
+        "sent": s["ok"],
+        "received_far": sink.stat()["per_id"][ident] - base,
+        "tun_tx_dropped": b[0]["tx_dropped"] - a[0]["tx_dropped"],
+        "tun_tx_packets(read by openvpn)": b[0]["tx_packets"] - a[0]["tx_packets"],
+        "counters": cdelta(a[1], b[1]),
+        "qdisc_drops": b[2]["drops"] - a[2]["drops"],
+        "qdisc_sent": b[2]["packets"] - a[2]["packets"],
+        "near_udp_sndbuf_errors": b[3].get("SndbufErrors", 0) - a[3].get("SndbufErrors", 0),
+        "far_udp_rcvbuf_errors": b[4].get("RcvbufErrors", 0) - a[4].get("RcvbufErrors", 0),
+        "far_tun_rx_packets(written by openvpn)": b[5]["rx_packets"] - a[5]["rx_packets"],
+        "far_tun_rx_dropped": b[5]["rx_dropped"] - a[5]["rx_dropped"],
+        "veth_rx_packets_far": b[6]["rx_packets"] - a[6]["rx_packets"],
+        "veth_rx_dropped_far": b[6]["rx_dropped"] - a[6]["rx_dropped"],
+    }
+    return res
+
+
+@pytest.mark.parametrize("phases", [pytest.param(("off",), id="off"),
+                                    pytest.param(("off", "on"), id="off-on")])
+def test_openvpn_unmodified(env, phases, record_property):
+    if not os.access(OPENVPN, os.X_OK):
+        pytest.skip(f"{OPENVPN} missing: install Debian's openvpn package on the "
+                    "host rootfs the guest sees (apt-get install openvpn)")
+    if "on" in phases:
+        probe = env.tun("ndop4", IFF_TUN | IFF_NO_PI)
+        require_privflag(env, probe.name)
+        probe.close()
+    tmp = tempfile.mkdtemp(prefix="nodrop-ovpn-")
+    try:
+        _openvpn_run(env, phases, tmp, record_property)
+    finally:
+        res = os.environ.get("NODROP_RESULTS")
+        for side in ("A", "B"):
+            p = os.path.join(tmp, f"{side}.log")
+            if os.path.exists(p):
+                log(f"--- openvpn {side} log (tail) ---\n" + open(p).read()[-1500:])
+                if res and os.path.isdir(res):
+                    shutil.copy(p, os.path.join(res, f"openvpn-{'-'.join(phases)}-{side}.log"))
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _openvpn_run(env, phases, tmp: str, record_property) -> None:
+    key = os.path.join(tmp, "static.key")     # generated now, never stored
+    sh(f"{OPENVPN} --genkey secret {key}")
+    far = FarNetns(env)
+    far.sh("echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; "
+           "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6; ip link set lo up",
+           check=False)
+    sh("ip link add ndva type veth peer name ndvb")
+    sh(f"ip link set ndvb netns {far.pid}")
+    sh(f"ip addr add {UNDERLAY[0]}/24 dev ndva")
+    sh("ip link set ndva up")
+    far.sh(f"ip addr add {UNDERLAY[1]}/24 dev ndvb && ip link set ndvb up")
+
+    conf = os.path.join(HERE, "openvpn", "p2p.conf")
+    common = [OPENVPN, "--config", conf, "--secret", key]
+    env._spawn(common + ["--dev", "ndvpnA", "--local", UNDERLAY[0], "--remote", UNDERLAY[1],
+                         "--ifconfig", TUNNEL[0], TUNNEL[1],
+                         "--log", os.path.join(tmp, "A.log")])
+    env._spawn(far.argv(common + ["--dev", "ndvpnB", "--local", UNDERLAY[1],
+                                  "--remote", UNDERLAY[0], "--ifconfig", TUNNEL[1], TUNNEL[0],
+                                  "--log", os.path.join(tmp, "B.log")]))
+    for side in ("A", "B"):
+        wait_log(os.path.join(tmp, f"{side}.log"), "Initialization Sequence Completed", 180)
+    dev = "ndvpnA"
+    t0 = time.monotonic()
+    while not icmp_ping(TUNNEL[1]):
+        assert time.monotonic() - t0 < 120, "no ping reply through the tunnel in 120 s"
+    log(f"tunnel up: ping {TUNNEL[1]} answered after {time.monotonic() - t0:.1f}s")
+
+    sh(f"ip link set dev {dev} txqueuelen {RING}")
+    qspec = set_fq_codel(dev)
+    sink = Reader(env._spawn(far.argv([sys.executable,
+                                       os.path.join(HERE, "openvpn", "udpsink.py"),
+                                       "--bind", TUNNEL[1], "--port", "9000"])),
+                  "udpsink")
+    log(f"sink ready: {sink.ready}; {dev}: txqueuelen {RING}, qdisc '{qspec}', "
+        f"private flags {ethtool_priv_flags(dev) or 'none'}")
+
+    rows = []
+    for i, mode in enumerate(phases):
+        if has_priv_flag(dev, FLAG):
+            set_priv_flag(dev, FLAG, mode == "on")
+            check_state(dev, mode == "on", None, f"openvpn's {dev}, phase {mode}")
+        res = vpn_burst(env, dev, far, sink, ident=3 + i)
+        res["mode"] = mode
+        log(f"[openvpn {mode} qdisc='{qspec}'] {res}")
+        rows.append(res)
+        record_property(f"{mode}_tun_tx_dropped", res["tun_tx_dropped"])
+        record_property(f"{mode}_received_far", res["received_far"])
+        c = res["counters"]
+        if mode == "off":
+            assert res["tun_tx_dropped"] > 0, \
+                f"expected tail drops on {dev} with backpressure off: {res}"
+            if c is not None:
+                assert c["ring_full_drops"] == res["tun_tx_dropped"], res
+        else:
+            assert res["tun_tx_dropped"] == 0, \
+                f"backpressure on: tx_dropped grew on {dev}: {res}"
+            assert c["ring_full_drops"] == 0 and c["bp_stops"] > 0, res
+    log("summary: " + "; ".join(
+        f"{r['mode']}: tun tx_dropped={r['tun_tx_dropped']} received_far="
+        f"{r['received_far']}/{r['sent']} far_udp_rcvbuf_errors={r['far_udp_rcvbuf_errors']}"
+        for r in rows))
