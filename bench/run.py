@@ -196,6 +196,19 @@ class VPN:
         if cfg["flag"] and not self.iff["tA"] & BP:
             raise RuntimeError("kernel reports backpressure but TUNGETIFF lacks it")
 
+    def iperf_server(self, port: int = 5201) -> subprocess.Popen:
+        """One iperf3 server per VPN (nsB), reused by every test."""
+        srv = getattr(self, "_srv", None)
+        if srv is not None and srv.poll() is None:
+            return srv
+        with self.b:
+            srv = self._srv = self.procs.spawn(["iperf3", "-s", "-B", TUN_B, "-p", str(port)])
+            for _ in range(400):
+                if f":{port}" in sh("ss -ltnH", check=False):
+                    break
+                time.sleep(0.05)
+        return srv
+
     def set_qlen(self, qlen: int):
         for ns, dev in ((self.a, "tA"), (self.b, "tB")):
             with ns:
@@ -237,12 +250,7 @@ def delta(c0: dict, c1: dict) -> dict:
 def iperf_start(vpn: VPN, duration: float, streams: int = 1, port: int = 5201):
     """Start server (nsB) and client (nsA); no threads: setns and /proc/net
     are per thread / per thread-group leader."""
-    with vpn.b:
-        srv = vpn.procs.spawn(["iperf3", "-s", "-1", "-B", TUN_B, "-p", str(port)])
-        for _ in range(200):
-            if f":{port}" in sh("ss -ltnH", check=False):
-                break
-            time.sleep(0.05)
+    srv = vpn.iperf_server(port)
     c0 = vpn.counters()
     with vpn.a:
         cli = vpn.procs.spawn(["iperf3", "-c", TUN_B, "-p", str(port), "-t",
@@ -258,7 +266,6 @@ def iperf_finish(vpn: VPN, h) -> dict:
         cli.kill()
         stdout, stderr = cli.communicate()
     c1 = vpn.counters()
-    term(srv, 10)
     try:
         end = json.loads(stdout)["end"]
         out = {"mbps": end["sum_received"]["bits_per_second"] / 1e6,
@@ -291,7 +298,8 @@ def pg_counts(path: str) -> tuple[int, int]:
 
 
 def pktgen_point(tools: str, cfg: dict, threads: int, mode: str, vnet: bool,
-                 reps: int, duration: float, warmup: float) -> dict:
+                 reps: int, duration: float, warmup: float,
+                 consumer: str = "tunreader") -> dict:
     ns = NS("pg")
     procs = Procs()
     point = {"config": cfg["name"], "threads": threads, "xmit_mode": mode,
@@ -299,10 +307,14 @@ def pktgen_point(tools: str, cfg: dict, threads: int, mode: str, vnet: bool,
     try:
         with ns:
             flags = IFF_TAP | IFF_NO_PI | cfg["flag"] | (IFF_VNET_HDR if vnet else 0)
-            argv = [os.path.join(tools, "tunreader"), "--dev", "pg0", "--flags",
-                    hex(flags), "--tap"]
-            if vnet:
-                argv += ["--vnet-hdr", "12"]
+            if consumer == "vhostrx":
+                argv = [os.path.join(tools, "vhostrx"), "--dev", "pg0", "--flags",
+                        hex(flags)]
+            else:
+                argv = [os.path.join(tools, "tunreader"), "--dev", "pg0", "--flags",
+                        hex(flags), "--tap"]
+                if vnet:
+                    argv += ["--vnet-hdr", "12"]
             p = procs.spawn(argv, text=False)
             reader = tl.Reader(p, "pg0")
             tl.setup_ip("pg0", tap=True, txqueuelen=cfg.get("qlen") or 500)
@@ -403,8 +415,30 @@ def s2_vhost(ctx) -> dict:
     if not os.access(vr, os.X_OK):
         res["skipped"] = "pending vhostrx (tools/vhostrx not built yet)"
         return res
-    res["skipped"] = ("pending: vhostrx exists but its driver in bench/run is "
-                      "not written yet")
+    if not os.path.exists("/dev/vhost-net"):
+        subprocess.run(["modprobe", "vhost_net"], capture_output=True)
+    if not os.path.exists("/dev/vhost-net"):
+        res["skipped"] = "no /dev/vhost-net in this kernel"
+        return res
+    if not os.path.isdir(PG):
+        subprocess.run(["modprobe", "pktgen"], capture_output=True)
+    if not os.path.isdir(PG):
+        res["skipped"] = "no /proc/net/pktgen in this kernel"
+        return res
+    d = ctx.dur(2.0, 1.0)
+    cases = [(1, "queue_xmit"), (2, "queue_xmit"), (2, "start_xmit")]
+    res["params"] = {"duration_s": d, "pkt_size": 64, "txqueuelen": 500,
+                     "consumer": "tools/vhostrx (vhost-net RX, 256-entry virtqueue)",
+                     "cases": cases}
+    for cfg in configs(ctx.bp):
+        for threads, mode in cases:
+            say(f"s2 {cfg['name']} threads={threads} {mode} vhost-net")
+            pt = pktgen_point(ctx.tools, cfg, threads, mode, False, ctx.reps, d, 0.3,
+                              consumer="vhostrx")
+            say(f"   recv {summ(pt['reps'], 'recv_per_s')} pps, ring drops "
+                f"{summ(pt['reps'], 'tx_dropped_per_s')}/s, qdisc drops "
+                f"{summ(pt['reps'], 'qdisc_drops_per_s')}/s")
+            res["points"].append(pt)
     return res
 
 
@@ -490,7 +524,7 @@ def s4_video(ctx) -> dict:
 # --- scenario 5: parallel TCP streams ----------------------------------------------
 def s5_parallel(ctx) -> dict:
     d = ctx.dur(3.0, 2.0)
-    streams = [1, 2, 4, 8]
+    streams = [1, 8] if ctx.quick else [1, 2, 4, 8]
     res = {"scenario": "s5_parallel", "title": "parallel TCP streams through one tun queue",
            "params": {"duration_s": d, "streams": streams, "qlen": 500}, "points": []}
     for cfg in configs(ctx.bp, qlen=500):
