@@ -5,6 +5,7 @@
 #   make test FLAVORS=mainline-7.3 other flavors (lab/flavors.toml)
 #   make bench                     kernel matrix (and bench/run once it exists)
 #   make kernel FLAVOR=nodrop-6.12 build or reuse one kernel, print its bzImage
+#                                  (REBUILD=1: run make even if up to date)
 #   make run FLAVOR=stock-6.12 CMD='ip -s link'
 #   make tools | deps | fetch | flavors | kvm
 
@@ -25,7 +26,7 @@ bench:
 
 kernel:
 	@test -n '$(FLAVOR)' || { echo "usage: make kernel FLAVOR=<flavor>  (make flavors lists them)" >&2; exit 2; }
-	$(LAB) kernel $(call sq,FLAVOR)
+	$(LAB) kernel $(call sq,FLAVOR) $(if $(REBUILD),--rebuild)
 
 run:
 	@test -n '$(FLAVOR)' || { echo "usage: make run FLAVOR=<flavor> CMD='<shell command>'" >&2; exit 2; }
@@ -35,4 +36,4 @@ tools deps fetch flavors kvm:
 	$(LAB) $@
 
 help:
-	@sed -n '2,11p' Makefile
+	@sed -n '1,11p' Makefile

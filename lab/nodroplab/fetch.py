@@ -59,8 +59,8 @@ def _apt_download(src: Source, dest: Path) -> None:
         if p.returncode == 0:
             return
         if attempt == 1:
-            say(f"apt-get download {spec} failed; running apt-get update"
-                + (" (private state)" if src.private_apt else ""))
+            say(f"{spec} not in the apt package lists yet; running apt-get update"
+                + (f" (private state for {src.suite})" if src.private_apt else ""))
             u = subprocess.run(["apt-get", *opts, "update"], capture_output=True, text=True,
                                stdin=subprocess.DEVNULL)
             if u.returncode != 0:

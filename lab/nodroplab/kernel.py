@@ -103,19 +103,19 @@ def _create_tree(fl: Flavor, pristine: Path) -> Path:
 
 def _am_failure(patch: Path, out: str) -> str:
     keep = [ln for ln in out.splitlines()
-            if re.match(r"(error|fatal|warning): |Patch failed at |Applying: |"
-                        r"Checking patch |Hunk #|patching file |.*\.rej", ln)]
+            if re.match(r"(error|fatal|warning): |Checking patch |Hunk #|patching file |"
+                        r".*\.rej", ln)]
     lines = "\n  ".join(keep[-20:]) or out.strip()[-1500:]
     return f"patch {patch.name} does not apply ({patch}):\n  {lines}"
 
 
-def prepare_tree(fl: Flavor, pristine: Path) -> Path:
+def prepare_tree(fl: Flavor, pristine: Path, want: str) -> Path:
+    """The flavor's git tree at base + its series (want = series hash)."""
     tree = tree_dir(fl)
     if not (tree / ".git").is_dir():
         if tree.exists():
             shutil.rmtree(tree)
         _create_tree(fl, pristine)
-    want = fl.series_hash()
     marker = tree / ".git" / "nodrop-series"
     if marker.exists() and marker.read_text().strip() == want:
         return tree
@@ -214,19 +214,17 @@ def _fragment_wants(frags) -> dict[str, str]:
 
 
 def _check_config(fl: Flavor, bdir: Path) -> None:
-    have = {}
-    for ln in (bdir / ".config").read_text().splitlines():
-        m = re.match(r"^(CONFIG_\w+)=(.*)$", ln)
-        if m:
-            have[m.group(1)] = m.group(2)
+    text = (bdir / ".config").read_text()
+    have = dict(re.findall(r"^(CONFIG_\w+)=(.*)$", text, re.M))
+    mentioned = set(re.findall(r"^# (CONFIG_\w+) is not set$", text, re.M)) | set(have)
     bad = []
     for k, v in _fragment_wants(fl.fragments).items():
         got = have.get(k, "n")
         if v != got:
-            bad.append(f"{k}={v} (got {got})")
+            why = "unmet dependency" if k in mentioned else "unknown/hidden in this kernel"
+            bad.append(f"{k}={v} (got {got}: {why})")
     if bad:
-        say(f"{fl.name}: note: fragment options not in the final .config "
-            f"(dependency or not in this kernel): {', '.join(bad)}")
+        say(f"{fl.name}: note: fragment options not in the final .config: {', '.join(bad)}")
 
 
 def configure(fl: Flavor, src: Path, bdir: Path, log: Path) -> None:
@@ -279,7 +277,7 @@ def kernel(fl: Flavor, *, rebuild: bool = False) -> Built:
 
     with build_lock():
         if fl.series:
-            src = prepare_tree(fl, pristine)
+            src = prepare_tree(fl, pristine, series_hash)
         bdir.mkdir(parents=True, exist_ok=True)
         stamp_p.unlink(missing_ok=True)
         log = bdir / "build.log"
