@@ -19,21 +19,21 @@ LAB = PYTHONPATH=$(CURDIR)/lab PYTHONDONTWRITEBYTECODE=1 $(PYTHON) -m nodroplab
 sq = '$(subst ','\'',$(value $(1)))'
 
 test:
-	$(LAB) test $(FLAVORS)
+	@$(LAB) test $(FLAVORS)
 
 bench:
-	$(LAB) bench $(FLAVORS)
+	@$(LAB) bench $(FLAVORS)
 
 kernel:
 	@test -n '$(FLAVOR)' || { echo "usage: make kernel FLAVOR=<flavor>  (make flavors lists them)" >&2; exit 2; }
-	$(LAB) kernel $(call sq,FLAVOR) $(if $(REBUILD),--rebuild)
+	@$(LAB) kernel $(call sq,FLAVOR) $(if $(REBUILD),--rebuild)
 
 run:
 	@test -n '$(FLAVOR)' || { echo "usage: make run FLAVOR=<flavor> CMD='<shell command>'" >&2; exit 2; }
-	$(LAB) run $(call sq,FLAVOR) -- $(call sq,CMD)
+	@$(LAB) run $(call sq,FLAVOR) -- $(call sq,CMD)
 
 tools deps fetch flavors kvm:
-	$(LAB) $@
+	@$(LAB) $@
 
 help:
 	@sed -n '1,11p' Makefile

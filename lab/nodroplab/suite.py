@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -17,9 +18,16 @@ from .kernel import Built, kernel
 from .matrix import Flavor
 from .vm import GuestResult, boot_and_run, guest_env, report_failure
 
+# Host environment variables forwarded into the guest (on top of what the lab
+# sets): every NODROP_* the lab does not set itself, the knobs below, bench
+# per-scenario knobs (S<n>_...), and any name listed in NODROP_GUEST_ENV.
+PASSTHROUGH = ("QUICK", "REPS", "DURATION", "SCENARIOS", "PYTEST_ADDOPTS")
+PASSTHROUGH_RE = re.compile(r"^(NODROP_[A-Z0-9_]+|S[0-9]+_[A-Z0-9_]+)$")
+
 SELFTEST = REPO / "lab" / "selftest"
 GUEST_TESTS = REPO / "tests" / "guest"
 BENCH = REPO / "bench" / "run"
+BENCH_REPORT = REPO / "bench" / "report"
 
 
 def timeout_s(default: float) -> float:
@@ -54,8 +62,16 @@ def build_tools() -> Path | None:
     return TOOLS_OUT
 
 
+def passthrough_env() -> dict[str, str]:
+    names = set(PASSTHROUGH) | set(os.environ.get("NODROP_GUEST_ENV", "").split())
+    return {k: v for k, v in os.environ.items()
+            if (k in names or PASSTHROUGH_RE.match(k))
+            and k not in ("NODROP_CACHE", "NODROP_GUEST_ENV", "NODROP_KVM", "NODROP_APPEND",
+                          "NODROP_JOBS")}
+
+
 def _env_for(b: Built, rw: Path, tools: Path | None) -> dict[str, str]:
-    return guest_env({
+    return guest_env({**passthrough_env(),
         "NODROP_FLAVOR": b.flavor.name,
         "NODROP_RESULTS": str(rw),
         "NODROP_TOOLS": str(tools or TOOLS_OUT),
@@ -186,10 +202,16 @@ def _suite_result(rw: Path, name: str, junit: str) -> dict:
 
 def cmd_test(flavors: list[Flavor]) -> int:
     py = lab_python()
-    tools = build_tools()
+    rows = []
+    try:
+        tools = build_tools()
+    except LabError as e:
+        say(f"error: tools build failed (the suites run anyway): {e}")
+        tools = None
+        rows.append({"flavor": "(tools)", "kernel": "-", "passed": 0, "failed": 1,
+                     "skipped": 0, "status": "build failed", "notes": ["make -C tools failed"]})
     out = new_results_dir("test")
     say(f"results: {out}")
-    rows = []
     for fl in flavors:
         row = {"flavor": fl.name, "kernel": "-", "passed": 0, "failed": 0, "skipped": 0,
                "status": "ok", "notes": []}
@@ -284,6 +306,16 @@ def cmd_bench(flavors: list[Flavor]) -> int:
             bad |= res.rc != 0
         _write_meta(rw, _meta(b, res, {"command": cmd}))
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if os.access(BENCH_REPORT, os.X_OK):
+        dirs = [str(out / r["flavor"]) for r in rows if r["bench"].startswith(("ok", "exit"))]
+        if dirs:
+            knobs = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(passthrough_env().items()))
+            again = f"{knobs + ' ' if knobs else ''}make bench FLAVORS='{' '.join(r['flavor'] for r in rows)}'"
+            r = run([sys.executable, str(BENCH_REPORT), "--out", str(out), "--cmd", again, *dirs],
+                    check=False)
+            if r.returncode != 0:
+                say(f"bench/report failed (exit {r.returncode})")
+                bad = True
     cols = [("flavor", "flavor"), ("uname -r", "uname"), ("source package", "package"),
             ("series sha256", "series"), ("boot", "boot"), ("bench", "bench")]
     widths = [max(len(h), *(len(r[key]) for r in rows)) for h, key in cols]
