@@ -12,8 +12,8 @@
  *
  * usage: vhostrx (--fd N | --dev NAME | --tap NAME) [--flags HEX] [--bp]
  *                [--vnet-hdr] [--ring N] [--bufs N] [--buf-size B]
- *                [--rate PPS | --delay-us N] [--paused] [--detached]
- *                [--cpu C]
+ *                [--rate PPS | --delay-us N] [--burst N] [--paused]
+ *                [--detached] [--cpu C]
  *
  *   --fd N         an inherited, attached tun/tap fd (the test keeps its own
  *                  copy); its flags (IFF_TAP, IFF_VNET_HDR) come from TUNGETIFF
@@ -24,8 +24,10 @@
  *   --ring N       virtqueue size (power of 2, default 256)
  *   --bufs N       receive buffers kept posted (default: ring size)
  *   --buf-size B   bytes per receive buffer (default 2048)
- *   --rate PPS     reap at most PPS packets per second (a slow guest)
- *   --delay-us N   at least N us between two reaped packets
+ *   --rate PPS     reap at most PPS packets per second (a slow guest), in
+ *                  bursts of up to --burst packets (default 8; a token
+ *                  bucket, so one wake-up and one kick per burst)
+ *   --delay-us N   the same as --rate 1000000/N
  *   --paused       set everything up but post no buffer and reap nothing
  *                  until "go".  vhost still runs once when the first packet
  *                  arrives and moves up to 64 packets from tun's ring into its
@@ -340,6 +342,17 @@ static void reap_one(void)
 		add_avail((uint16_t)id);
 }
 
+/* token bucket in ns of budget: --rate/--delay-us with bursts of --burst */
+static void refill(uint64_t *credit, uint64_t *last, uint64_t cap, uint64_t now)
+{
+	if (now > *last) {
+		*credit += now - *last;
+		if (*credit > cap)
+			*credit = cap;
+	}
+	*last = now;
+}
+
 static int set_backend(int fd)
 {
 	struct vhost_vring_file b = { .index = 0, .fd = fd };
@@ -451,8 +464,8 @@ static void usage(void)
 	fprintf(stderr,
 		"usage: vhostrx (--fd N | --dev NAME | --tap NAME) [--flags HEX] [--bp]\n"
 		"               [--vnet-hdr] [--ring N] [--bufs N] [--buf-size B]\n"
-		"               [--rate PPS | --delay-us N] [--paused] [--detached]\n"
-		"               [--cpu C]\n");
+		"               [--rate PPS | --delay-us N] [--burst N] [--paused]\n"
+		"               [--detached] [--cpu C]\n");
 	exit(2);
 }
 
@@ -470,6 +483,7 @@ int main(int argc, char **argv)
 		{ "buf-size", required_argument, NULL, 's' },
 		{ "rate", required_argument, NULL, 'R' },
 		{ "delay-us", required_argument, NULL, 'D' },
+		{ "burst", required_argument, NULL, 'B' },
 		{ "paused", no_argument, NULL, 'P' },
 		{ "detached", no_argument, NULL, 'X' },
 		{ "cpu", required_argument, NULL, 'c' },
@@ -480,7 +494,8 @@ int main(int argc, char **argv)
 	const char *dev = NULL;
 	unsigned long flags = IFF_TAP | IFF_NO_PI;
 	unsigned long rate = 0, delay_us = 0;
-	uint64_t interval_ns = 0, next_ns = 0;
+	uint64_t interval_ns = 0, credit_ns = 0, refill_ns = 0;
+	unsigned long burst = 8;
 	struct ifreq ifr;
 	/* pending "wait" */
 	char wait_key[32] = "";
@@ -501,6 +516,7 @@ int main(int argc, char **argv)
 		case 's': buf_size = (unsigned int)strtoul(optarg, NULL, 0); break;
 		case 'R': rate = strtoul(optarg, NULL, 0); break;
 		case 'D': delay_us = strtoul(optarg, NULL, 0); break;
+		case 'B': burst = strtoul(optarg, NULL, 0); break;
 		case 'P': running = 0; break;
 		case 'X': start_detached = 1; break;
 		case 'c': cpu = atoi(optarg); break;
@@ -520,7 +536,7 @@ int main(int argc, char **argv)
 			HDR_LEN + 64);
 		return 2;
 	}
-	if (rate && delay_us)
+	if ((rate && delay_us) || !burst)
 		usage();
 	if (rate)
 		interval_ns = 1000000000ull / rate;
@@ -588,11 +604,11 @@ int main(int argc, char **argv)
 
 	printf("{\"event\":\"ready\",\"dev\":\"%s\",\"iff\":%lu,\"tap\":%s,"
 	       "\"vnet_from\":\"%s\",\"hdr_len\":%zu,\"ring\":%u,\"bufs\":%u,"
-	       "\"buf_size\":%u,\"interval_ns\":%llu,\"running\":%s,"
-	       "\"attached\":%s}\n",
+	       "\"buf_size\":%u,\"interval_ns\":%llu,\"burst\":%lu,"
+	       "\"running\":%s,\"attached\":%s}\n",
 	       ifr.ifr_name, flags, is_tap ? "true" : "false",
 	       vnet_sock ? "tap" : "vhost", HDR_LEN, ring_num, nbufs, buf_size,
-	       (unsigned long long)interval_ns, running ? "true" : "false",
+	       (unsigned long long)interval_ns, burst, running ? "true" : "false",
 	       attached ? "true" : "false");
 	fflush(stdout);
 	last_progress = now_ns() / 1000000ull;
@@ -606,10 +622,12 @@ int main(int argc, char **argv)
 		int call_idx;
 
 		if (running && used_pending()) {
-			if (!interval_ns || now >= next_ns)
+			if (interval_ns)
+				refill(&credit_ns, &refill_ns, interval_ns * burst, now);
+			if (!interval_ns || credit_ns >= interval_ns)
 				timeout_ns = 0;
 			else
-				timeout_ns = (int64_t)(next_ns - now);
+				timeout_ns = (int64_t)(interval_ns - credit_ns);
 		}
 		if (wait_key[0]) {
 			uint64_t now_ms = now / 1000000ull;
@@ -653,13 +671,11 @@ int main(int argc, char **argv)
 
 			while (reaped < REAP_BATCH && used_pending()) {
 				if (interval_ns) {
-					now = now_ns();
-					if (now < next_ns)
+					refill(&credit_ns, &refill_ns,
+					       interval_ns * burst, now_ns());
+					if (credit_ns < interval_ns)
 						break;
-					/* no catching up after a pause */
-					if (next_ns + interval_ns < now)
-						next_ns = now;
-					next_ns += interval_ns;
+					credit_ns -= interval_ns;
 				}
 				reap_one();
 				reaped++;
@@ -695,7 +711,9 @@ int main(int argc, char **argv)
 					running = 1;
 					if (!posted)
 						post_all();
-					next_ns = now_ns();
+					/* no catching up after a pause */
+					credit_ns = 0;
+					refill_ns = now_ns();
 					last_progress = now_ns() / 1000000ull;
 					if (err) {
 						cnt.errors++;
