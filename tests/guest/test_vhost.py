@@ -54,7 +54,7 @@ import pytest
 
 from test_lifecycle import counts, quiesce, wait_total
 from tunlib import (IFF_BACKPRESSURE, IFF_NO_PI, IFF_TAP, IFF_VNET_HDR, Reader,
-                    cpus, log, qdisc_totals, qsummary, root_qdisc,
+                    cpus, ethtool_stats, log, qdisc_totals, qsummary, root_qdisc,
                     set_fq_codel, set_qdisc, setup_ip, tx_dropped,
                     wait_backlog_zero)
 
@@ -96,7 +96,10 @@ class VhostRx(Reader):
 def vhostrx(env, tun, *, paused: bool = False, detached: bool = False,
             rate: int = 0, bufs: int | None = None, cpu: int | None = None,
             label: str = "vhostrx") -> VhostRx:
-    argv = [env.tools.path("vhostrx"), "--fd", str(tun.fd)]
+    prog = env.tools.path("vhostrx")
+    if not os.access(prog, os.X_OK):
+        pytest.fail(f"missing helper {prog}: run `make -C tools OUT={env.tools.dir}`")
+    argv = [prog, "--fd", str(tun.fd)]
     if paused:
         argv.append("--paused")
     if detached:
@@ -326,6 +329,13 @@ def fresh_burst(env, dev: str, rx: VhostRx, ident: int, what: str) -> str:
     return summary
 
 
+def ring_full_drops(dev: str) -> int | None:
+    """Sum of the per-queue ring-full drop counters in `ethtool -S` (NODROP
+    patch 0008), None where the device has none."""
+    st = {k: v for k, v in ethtool_stats(dev).items() if k.endswith("ring_full_drops")}
+    return sum(st.values()) if st else None
+
+
 def pause_go_steps(rx: VhostRx, i: int) -> None:
     rx.pause()
     time.sleep(0.5)
@@ -411,6 +421,7 @@ def test_vhost_load_events(env, events, record_property):
     rx.pause()
     d2 = tx_dropped(dev)
     qb = qdisc_totals(dev)
+    eth0 = ring_full_drops(dev)
     steps = []
 
     def burst(ident: int, n: int) -> None:
@@ -439,10 +450,13 @@ def test_vhost_load_events(env, events, record_property):
     drops3 = tx_dropped(dev) - d2
     qdrops3 = qdisc_totals(dev)["drops"] - qb["drops"]
     shortfall = sent - got - drops3 - qdrops3
+    eth1 = ring_full_drops(dev)
+    eth = "n/a" if eth0 is None or eth1 is None else eth1 - eth0
     held_summary = (f"[vhost bp={env.bp}] paused consumer, {DA_BUFS} buffers, ring "
                     f"{DA_RING}, vhost holding a batch at detach: "
                     f"{'; '.join(steps)}; finally received={got}/{sent} "
                     f"tx_dropped={drops3} qdisc_drops={qdrops3} "
+                    f"ethtool ring_full_drops={eth} "
                     f"SHORTFALL (freed by ptr_ring_unconsume, not counted)={shortfall} "
                     f"(received per id {st['per_id'][3]}/{st['per_id'][5]}/{st['per_id'][6]}, "
                     f"seq gaps id5={st['missing'][5]})")
