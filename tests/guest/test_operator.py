@@ -316,12 +316,14 @@ def test_counters_burst(env, mode, record_property):
         assert d2 == N - RING and c2["ring_full_drops"] == N - RING, summary
         assert c2["bp_stops"] == 0 and c2["bp_wakes"] == 0, summary
     else:
-        # the ring keeps its backpressure size (txqueuelen + reserve) until
-        # the next txqueuelen change: it holds a few more than RING
+        # the ring keeps its backpressure size until the next txqueuelen
+        # change: txqueuelen + one slot per other possible CPU + room for a
+        # vhost-net batch (64) + ptr_ring's lazy-invalidation slack (15),
+        # so it holds more than RING
         held = N - d2
-        limit = RING + possible_cpus() - 1 + 15
+        limit = RING + possible_cpus() - 1 + 64 + 15
         log(f"off after on: the ring held {held} (txqueuelen {RING}, at most "
-            f"{limit} = txqueuelen + possible CPUs - 1 + 15)")
+            f"{limit} = txqueuelen + possible CPUs - 1 + 64 + 15)")
         record_property("ring_held", held)
         assert RING < held <= limit, summary
         assert c2["bp_stops"] == 0, summary
