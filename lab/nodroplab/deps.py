@@ -17,9 +17,13 @@ APT_PACKAGES = [
     "gcc", "make", "git", "perl", "flex", "bison", "bc", "libelf-dev", "libssl-dev",
     "cpio", "kmod", "xz-utils", "zstd", "ccache",
     "qemu-system-x86", "seabios", "busybox-static", "udev", "file",
-    "iproute2", "ethtool", "iperf3",
+    "iproute2", "ethtool", "iperf3", "iputils-ping", "util-linux",
+    "openvpn",                  # tests/guest/test_operator.py: an unmodified program
     "python3-pip",
 ]
+
+# Host-side Python packages of the benchmark report (plots)
+BENCH_REQUIREMENTS = Path(__file__).resolve().parents[2] / "bench" / "requirements.txt"
 
 VIRTME_NG = "virtme-ng==1.42"
 
@@ -164,5 +168,12 @@ def deps() -> str:
     require_root()
     ensure_apt(APT_PACKAGES)
     py = ensure_python()
+    if BENCH_REQUIREMENTS.exists():
+        p = subprocess.run([py, "-m", "pip", "install", "-q", "-r", str(BENCH_REQUIREMENTS)],
+                           capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if p.returncode != 0:
+            err = (p.stderr or p.stdout).strip().splitlines()
+            raise LabError(f"PyPI (pip): could not install {BENCH_REQUIREMENTS.name} "
+                           f"({BENCH_REQUIREMENTS.read_text().split()}): {err[-1] if err else p.returncode}")
     say(f"deps ok (python for vng and the guest: {py})")
     return py
