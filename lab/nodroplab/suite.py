@@ -14,8 +14,9 @@ from pathlib import Path
 
 from .common import (REPO, RESULTS, TOOLS_OUT, LabError, now_iso, run, say, timestamp)
 from .deps import lab_python
+from .fetch import fetch
 from .kernel import Built, kernel
-from .matrix import Flavor
+from .matrix import Flavor, load
 from .vm import GuestResult, boot_and_run, guest_env, report_failure
 
 # Host environment variables forwarded into the guest (on top of what the lab
@@ -212,6 +213,7 @@ def cmd_test(flavors: list[Flavor]) -> int:
                      "skipped": 0, "status": "build failed", "notes": ["make -C tools failed"]})
     out = new_results_dir("test")
     say(f"results: {out}")
+    rows.append(_model_row(out))
     for fl in flavors:
         row = {"flavor": fl.name, "kernel": "-", "passed": 0, "failed": 0, "skipped": 0,
                "status": "ok", "notes": []}
@@ -247,6 +249,36 @@ def cmd_test(flavors: list[Flavor]) -> int:
         _write_meta(rw, _meta(b, res, {"suites": suites}))
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     return _print_table(rows, out)
+
+
+def _model_row(out: Path) -> dict:
+    """The LKMM litmus tests of the stop/wake protocol (model/run, host side,
+    herd7 against the pinned 6.12 tools/memory-model): one row of the table."""
+    row = {"flavor": "(model)", "kernel": "LKMM", "passed": 0, "failed": 0, "skipped": 0,
+           "status": "ok", "notes": []}
+    runner = REPO / "model" / "run"
+    if not os.access(runner, os.X_OK):
+        row["notes"].append("no model/run")
+        return row
+    say("=== model: LKMM litmus tests (model/run) ===")
+    try:    # tools/memory-model of the kernel the series is for
+        ksrc = fetch(load().flavor("nodrop-6.12").source)
+    except LabError as e:
+        row.update(status="failed", failed=1, notes=[str(e).splitlines()[0]])
+        return row
+    env = dict(os.environ, NODROP_KSRC=str(ksrc))
+    p = subprocess.run([str(runner)], cwd=REPO, env=env, capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL)
+    (out / "model.log").write_text(p.stdout + p.stderr)
+    print(p.stdout, end="", flush=True)
+    m = re.search(r"^(\d+) passed, (\d+) failed", p.stdout, re.M)
+    if m:
+        row["passed"], row["failed"] = int(m.group(1)), int(m.group(2))
+    if p.returncode != 0:
+        row["status"] = "failed"
+        row["failed"] = max(row["failed"], 1)
+        row["notes"].append((p.stderr.strip().splitlines() or ["model/run failed"])[-1])
+    return row
 
 
 def _print_table(rows: list[dict], out: Path) -> int:
