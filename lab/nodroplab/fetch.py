@@ -9,6 +9,7 @@ Cache layout ($NODROP_CACHE, default ~/.cache/nodrop):
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 import subprocess
 from pathlib import Path
@@ -101,6 +102,15 @@ def fetch(src: Source) -> Path:
     tree, ok = src_tree(src), _ok_file(src)
     if ok.exists() and tree.is_dir():
         return tree
+    (cache_dir() / "src").mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / "fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # another lab process may be fetching
+        if ok.exists() and tree.is_dir():
+            return tree
+        return _fetch_locked(src, tree, ok)
+
+
+def _fetch_locked(src: Source, tree: Path, ok: Path) -> Path:
     deb = fetch_deb(src)
     listing = run(["dpkg-deb", "-c", str(deb)], capture=True, quiet=True).stdout
     members = [ln.split()[-1] for ln in listing.splitlines()

@@ -107,7 +107,7 @@ cat /proc/uptime > "$M/uptime" 2>/dev/null
 uname -r > "$M/uname"
 : > "$M/started"
 {exports}
-cd {cwd} || exit 1
+cd {cwd} || {{ echo "guest: cannot cd to "{cwd} > "$M/../stderr"; echo 126 > "$M/rc"; exit 1; }}
 /bin/sh "$M/cmd" > "$M/../stdout" 2> "$M/../stderr" < /dev/null
 echo $? > "$M/rc.tmp"
 mv "$M/rc.tmp" "$M/rc"
