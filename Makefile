@@ -3,7 +3,8 @@
 #
 #   make test                      deps, fetch, tools, build + boot + guest suite
 #   make test FLAVORS=mainline-7.3 other flavors (lab/flavors.toml)
-#   make bench                     kernel matrix (and bench/run once it exists)
+#   make chaos DURATION=600        debug flavors: chaos round (SEED=n reproduces one)
+#   make bench                     build, boot and benchmark the three flavors
 #   make kernel FLAVOR=nodrop-6.12 build or reuse one kernel, print its bzImage
 #                                  (REBUILD=1: run make even if up to date)
 #   make run FLAVOR=stock-6.12 CMD='ip -s link'
@@ -12,7 +13,7 @@
 PYTHON ?= python3
 LAB = PYTHONPATH=$(CURDIR)/lab PYTHONDONTWRITEBYTECODE=1 $(PYTHON) -m nodroplab
 
-.PHONY: test bench kernel run tools deps fetch flavors kvm help
+.PHONY: test chaos bench kernel run tools deps fetch flavors kvm help
 
 # $(call sq,VAR): VAR's unexpanded text as one single-quoted shell word, so
 # CMD='ip -s link show; echo $$HOME' reaches the guest shell untouched.
@@ -20,6 +21,9 @@ sq = '$(subst ','\'',$(value $(1)))'
 
 test:
 	@$(LAB) test $(FLAVORS)
+
+chaos:
+	@$(LAB) chaos $(FLAVORS)
 
 bench:
 	@$(LAB) bench $(FLAVORS)
@@ -36,4 +40,4 @@ tools deps fetch flavors kvm:
 	@$(LAB) $@
 
 help:
-	@sed -n '1,11p' Makefile
+	@sed -n '1,12p' Makefile

@@ -1,6 +1,6 @@
 """NODROP lab orchestrator: `python3 -m nodroplab <command>` (PYTHONPATH=lab).
 
-Commands: deps, fetch, kernel, run, test, bench, tools, flavors, kvm.
+Commands: deps, fetch, kernel, run, test, chaos, bench, tools, flavors, kvm.
 Environment: NODROP_CACHE (default ~/.cache/nodrop), NODROP_JOBS (make -j),
 NODROP_KVM (auto|0|1), NODROP_TIMEOUT (guest command timeout, s),
 NODROP_PYTHON (interpreter for vng and the in-guest pytest).
@@ -17,7 +17,7 @@ from .common import LabError, require_root, say
 from .fetch import fetch_all
 from .kernel import kernel
 from .matrix import load
-from .suite import build_tools, cmd_bench, cmd_run, cmd_test
+from .suite import build_tools, cmd_bench, cmd_chaos, cmd_run, cmd_test
 from .vm import kvm_probe
 
 
@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("command", nargs=argparse.REMAINDER, help="shell command line")
     p = sub.add_parser("test", help="build, boot and run the guest suite per flavor")
     p.add_argument("flavors", nargs="*")
+    p = sub.add_parser("chaos", help="build, boot each debug flavor and run the chaos round "
+                                     "(DURATION seconds, SEED)")
+    p.add_argument("flavors", nargs="*")
     p = sub.add_parser("bench", help="build, boot each flavor, print the kernel matrix "
                                      "(runs bench/run in the guest if it exists)")
     p.add_argument("flavors", nargs="*")
@@ -53,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     mx = load()
     if a.cmd == "flavors":
         for name, fl in mx.flavors.items():
-            print(f"{name:<16} {fl.source.package} {fl.source.version}"
+            print(f"{name:<18} {fl.source.package} {fl.source.version}"
                   f"{'  series ' + str(fl.series) if fl.series else ''}  {fl.description}")
         return 0
     if a.cmd == "deps":
@@ -89,9 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_run(fl, " ".join(cmd))
     if a.cmd == "test":
         fls = _flavors(mx, a.flavors, mx.test_default)
+        # the short chaos round: first [matrix] chaos flavor, default run only
+        chaos = [] if a.flavors else [mx.flavor(n) for n in mx.chaos_default[:1]]
+        deps_mod.deps()
+        fetch_all(list({f.source.name: f.source for f in fls + chaos}.values()))
+        return cmd_test(fls, chaos)
+    if a.cmd == "chaos":
+        fls = _flavors(mx, a.flavors, mx.chaos_default)
         deps_mod.deps()
         fetch_all(list({f.source.name: f.source for f in fls}.values()))
-        return cmd_test(fls)
+        return cmd_chaos(fls)
     if a.cmd == "bench":
         fls = _flavors(mx, a.flavors, mx.bench_default)
         deps_mod.deps()

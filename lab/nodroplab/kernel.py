@@ -2,7 +2,7 @@
 
 * Out of tree: $NODROP_CACHE/build/<flavor>-<sourceversion>-<confighash12>/.
 * Patched flavors build from a persistent git tree
-  $NODROP_CACHE/trees/<flavor>_<sourceversion>/ (pristine source committed
+  $NODROP_CACHE/trees/<series dir>_<sourceversion>/ (pristine source committed
   once, tag `base`); when the series hash changes: reset to base, clean, and
   `git am` every patch in series order, so only touched files get a new mtime.
 * Every make runs in a private mount namespace where the source tree is
@@ -57,7 +57,9 @@ def build_dir(fl: Flavor) -> Path:
 
 
 def tree_dir(fl: Flavor) -> Path:
-    return cache_dir() / "trees" / f"{fl.name}_{safe(fl.source.version)}"
+    # One tree per (series, source): flavors that differ only in their config
+    # (nodrop-6.12, -debug, -kcsan) share it; builds are serialized by build_lock.
+    return cache_dir() / "trees" / f"{fl.series.parent.name}_{safe(fl.source.version)}"
 
 
 @contextmanager

@@ -88,6 +88,7 @@ class Matrix:
     flavors: dict[str, Flavor]
     test_default: list[str] = field(default_factory=list)
     bench_default: list[str] = field(default_factory=list)
+    chaos_default: list[str] = field(default_factory=list)
 
     def flavor(self, name: str) -> Flavor:
         if name not in self.flavors:
@@ -133,7 +134,8 @@ def load(path: Path = MATRIX_FILE) -> Matrix:
             series=_rel(f["series"]) if f.get("series") else None,
             fragments=frags, localversion=f.get("localversion", ""))
     m = data.get("matrix", {})
-    mx = Matrix(sources, flavors, list(m.get("test", [])), list(m.get("bench", [])))
-    for n in mx.test_default + mx.bench_default:
+    mx = Matrix(sources, flavors, list(m.get("test", [])), list(m.get("bench", [])),
+                list(m.get("chaos", [])))
+    for n in mx.test_default + mx.bench_default + mx.chaos_default:
         mx.flavor(n)
     return mx

@@ -22,11 +22,17 @@ from .vm import GuestResult, boot_and_run, guest_env, report_failure
 # Host environment variables forwarded into the guest (on top of what the lab
 # sets): every NODROP_* the lab does not set itself, the knobs below, bench
 # per-scenario knobs (S<n>_...), and any name listed in NODROP_GUEST_ENV.
-PASSTHROUGH = ("QUICK", "REPS", "DURATION", "SCENARIOS", "PYTEST_ADDOPTS")
+PASSTHROUGH = ("QUICK", "REPS", "DURATION", "SCENARIOS", "SEED", "PYTEST_ADDOPTS")
 PASSTHROUGH_RE = re.compile(r"^(NODROP_[A-Z0-9_]+|S[0-9]+_[A-Z0-9_]+)$")
 
 SELFTEST = REPO / "lab" / "selftest"
 GUEST_TESTS = REPO / "tests" / "guest"
+CHAOS_TESTS = REPO / "tests" / "chaos"
+# in-guest pytest suites: name -> (directory, junit file)
+SUITES = {"selftest": (SELFTEST, "junit-selftest.xml"),
+          "guest": (GUEST_TESTS, "junit.xml"),
+          "chaos": (CHAOS_TESTS, "junit-chaos.xml")}
+CHAOS_DEFAULT_S = 120      # `make test`'s chaos round; `make chaos DURATION=...`
 BENCH = REPO / "bench" / "run"
 BENCH_REPORT = REPO / "bench" / "report"
 
@@ -162,22 +168,16 @@ def _junit_counts(path: Path) -> tuple[int, int, int, list[str]]:
     return p, f, s, failed
 
 
-def _test_command(py: str, rw: Path) -> str:
+def _test_command(py: str, rw: Path, suites: list[str]) -> str:
     q = shlex.quote
-    lines = [
-        f"cd {q(str(REPO))}",
-        f"{q(py)} -m pytest {q(str(SELFTEST.relative_to(REPO)))} -p no:cacheprovider -v "
-        f"--junitxml={q(str(rw / 'junit-selftest.xml'))}",
-        f"echo $? > {q(str(rw / '.nodrop' / 'rc-selftest'))}",
-    ]
-    if GUEST_TESTS.is_dir():
+    lines = [f"cd {q(str(REPO))}"]
+    for name in suites:
+        d, junit = SUITES[name]
         lines += [
-            f"{q(py)} -m pytest {q(str(GUEST_TESTS.relative_to(REPO)))} -p no:cacheprovider -v "
-            f"--junitxml={q(str(rw / 'junit.xml'))}",
-            f"echo $? > {q(str(rw / '.nodrop' / 'rc-guest'))}",
+            f"{q(py)} -m pytest {q(str(d.relative_to(REPO)))} -p no:cacheprovider -v "
+            f"--junitxml={q(str(rw / junit))}",
+            f"echo $? > {q(str(rw / '.nodrop' / ('rc-' + name)))}",
         ]
-    else:
-        lines.append("echo 'tests/guest does not exist yet: only the lab selftest ran'")
     return "\n".join(lines)
 
 
@@ -201,54 +201,79 @@ def _suite_result(rw: Path, name: str, junit: str) -> dict:
             "notes": notes}
 
 
-def cmd_test(flavors: list[Flavor]) -> int:
-    py = lab_python()
-    rows = []
-    try:
-        tools = build_tools()
-    except LabError as e:
-        say(f"error: tools build failed (the suites run anyway): {e}")
-        tools = None
-        rows.append({"flavor": "(tools)", "kernel": "-", "passed": 0, "failed": 1,
-                     "skipped": 0, "status": "build failed", "notes": ["make -C tools failed"]})
+def cmd_test(flavors: list[Flavor], chaos: list[Flavor]) -> int:
+    """The guest suite on each flavor, a short chaos round on each chaos
+    flavor, and the LKMM model row."""
+    rows, tools = _tools_row()
     out = new_results_dir("test")
     say(f"results: {out}")
     rows.append(_model_row(out))
     for fl in flavors:
-        row = {"flavor": fl.name, "kernel": "-", "passed": 0, "failed": 0, "skipped": 0,
-               "status": "ok", "notes": []}
-        rows.append(row)
-        rw = out / fl.name
-        rw.mkdir()
-        try:
-            b = kernel(fl)
-        except LabError as e:
-            say(f"error: {e}")
-            row.update(status="build failed", failed=1, notes=[str(e).splitlines()[0]])
-            (rw / "meta.json").write_text(json.dumps({"flavor": fl.name, "error": str(e)},
-                                                     indent=2) + "\n")
-            continue
-        say(f"=== {fl.name}: {b.kernelrelease} ({b.flavor.source.package} "
-            f"{b.flavor.source.version}, series {b.series_hash[:12]}) ===")
-        res = boot_and_run(b.bzimage, _test_command(py, rw), rw, env=_env_for(b, rw, tools),
-                           cwd=REPO, timeout=timeout_s(3600))
-        row["kernel"] = res.uname or "-"
-        suites = {"selftest": _suite_result(rw, "selftest", "junit-selftest.xml")}
-        if GUEST_TESTS.is_dir():
-            suites["guest"] = _suite_result(rw, "guest", "junit.xml")
-        for s in suites.values():
-            for k in ("passed", "failed", "skipped"):
-                row[k] += s[k]
-            row["notes"] += s["notes"]
-        if res.rc is None:
-            row["status"] = "boot failed" if not res.booted else "guest died"
-            row["failed"] = max(row["failed"], 1)
-            say(report_failure(res, fl.name))
-        elif row["failed"]:
-            row["status"] = "failed"
-        _write_meta(rw, _meta(b, res, {"suites": suites}))
+        rows.append(_suites_row(fl, ["selftest", "guest"], out / fl.name, tools, {}))
+    for fl in chaos:
+        dur = os.environ.get("DURATION") or str(CHAOS_DEFAULT_S)
+        rows.append(_suites_row(fl, ["selftest", "chaos"], out / f"{fl.name}-chaos", tools,
+                                {"DURATION": dur}, label=f"{fl.name} (chaos {dur}s)"))
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     return _print_table(rows, out)
+
+
+def cmd_chaos(flavors: list[Flavor]) -> int:
+    """`make chaos`: the chaos round alone, DURATION seconds per flavor."""
+    rows, tools = _tools_row()
+    out = new_results_dir("chaos")
+    say(f"results: {out}")
+    dur = os.environ.get("DURATION") or str(CHAOS_DEFAULT_S)
+    for fl in flavors:
+        rows.append(_suites_row(fl, ["chaos"], out / fl.name, tools, {"DURATION": dur},
+                                label=f"{fl.name} (chaos {dur}s)"))
+    (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return _print_table(rows, out)
+
+
+def _tools_row() -> tuple[list[dict], Path | None]:
+    try:
+        return [], build_tools()
+    except LabError as e:
+        say(f"error: tools build failed (the suites run anyway): {e}")
+        return [{"flavor": "(tools)", "kernel": "-", "passed": 0, "failed": 1, "skipped": 0,
+                 "status": "build failed", "notes": ["make -C tools failed"]}], None
+
+
+def _suites_row(fl: Flavor, suites: list[str], rw: Path, tools: Path | None,
+                env: dict[str, str], label: str | None = None) -> dict:
+    """Build fl, boot it, run the named in-guest pytest suites; one table row."""
+    row = {"flavor": label or fl.name, "kernel": "-", "passed": 0, "failed": 0, "skipped": 0,
+           "status": "ok", "notes": []}
+    rw.mkdir()
+    try:
+        b = kernel(fl)
+    except LabError as e:
+        say(f"error: {e}")
+        row.update(status="build failed", failed=1, notes=[str(e).splitlines()[0]])
+        (rw / "meta.json").write_text(json.dumps({"flavor": fl.name, "error": str(e)},
+                                                 indent=2) + "\n")
+        return row
+    say(f"=== {row['flavor']}: {b.kernelrelease} ({b.flavor.source.package} "
+        f"{b.flavor.source.version}, series {b.series_hash[:12]}) ===")
+    suites = [s for s in suites if SUITES[s][0].is_dir()]
+    limit = timeout_s(max(3600.0, float(env.get("DURATION", 0)) + 1800))
+    res = boot_and_run(b.bzimage, _test_command(lab_python(), rw, suites), rw,
+                       env={**_env_for(b, rw, tools), **env}, cwd=REPO, timeout=limit)
+    row["kernel"] = res.uname or "-"
+    results = {s: _suite_result(rw, s, SUITES[s][1]) for s in suites}
+    for r in results.values():
+        for k in ("passed", "failed", "skipped"):
+            row[k] += r[k]
+        row["notes"] += r["notes"]
+    if res.rc is None:
+        row["status"] = "boot failed" if not res.booted else "guest died"
+        row["failed"] = max(row["failed"], 1)
+        say(report_failure(res, fl.name))
+    elif row["failed"]:
+        row["status"] = "failed"
+    _write_meta(rw, _meta(b, res, {"suites": results}))
+    return row
 
 
 def _model_row(out: Path) -> dict:

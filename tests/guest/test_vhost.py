@@ -53,7 +53,7 @@ import warnings
 import pytest
 
 from test_lifecycle import counts, quiesce, wait_total
-from tunlib import (IFF_BACKPRESSURE, IFF_NO_PI, IFF_TAP, IFF_VNET_HDR, Reader,
+from tunlib import (IFF_BACKPRESSURE, IFF_NO_PI, IFF_TAP, IFF_VNET_HDR, VhostRx,
                     cpus, ethtool_stats, log, qdisc_totals, qsummary, root_qdisc,
                     set_fq_codel, set_qdisc, setup_ip, tx_dropped,
                     wait_backlog_zero)
@@ -72,47 +72,6 @@ STALL_S = 60.0
 def _need_vhost():
     if not os.path.exists(VHOST_DEV):
         pytest.skip(f"no {VHOST_DEV} (kernel without CONFIG_VHOST_NET)")
-
-
-class VhostRx(Reader):
-    """A running tools/vhostrx process (same protocol as tunreader, plus
-    detach/attach of the vhost backend)."""
-
-    def _checked(self, text: str) -> dict:
-        r = self.cmd(text)
-        assert r.get("event") != "error", f"vhostrx {self.label}: '{text}' -> {r}"
-        return r
-
-    def detach(self) -> dict:
-        return self._checked("detach")
-
-    def attach(self) -> dict:
-        return self._checked("attach")
-
-    def go(self) -> dict:
-        return self._checked("go")
-
-
-def vhostrx(env, tun, *, paused: bool = False, detached: bool = False,
-            rate: int = 0, bufs: int | None = None, cpu: int | None = None,
-            label: str = "vhostrx") -> VhostRx:
-    prog = env.tools.path("vhostrx")
-    if not os.access(prog, os.X_OK):
-        pytest.fail(f"missing helper {prog}: run `make -C tools OUT={env.tools.dir}`")
-    argv = [prog, "--fd", str(tun.fd)]
-    if paused:
-        argv.append("--paused")
-    if detached:
-        argv.append("--detached")
-    if rate:
-        argv += ["--rate", str(rate)]
-    if bufs:
-        argv += ["--bufs", str(bufs)]
-    if cpu is not None:
-        argv += ["--cpu", str(cpu)]
-    rx = VhostRx(env._spawn(argv, [tun.fd]), label)
-    log(f"{label} ready: {rx.ready}")
-    return rx
 
 
 def make_tap(env, name: str, extra: int, vnet: bool, txqueuelen: int):
@@ -172,7 +131,7 @@ def test_vhost_burst(env, mode, vnet, record_property):
     if env.bp:
         assert t.get_iff() & IFF_BACKPRESSURE, "flag requested but not reported"
     qspec = set_fq_codel(t.name)
-    rx = vhostrx(env, t, paused=True, detached=(mode == "detached"))
+    rx = env.vhostrx(t, paused=True, detached=(mode == "detached"))
     d0 = tx_dropped(t.name)
     q0 = root_qdisc(t.name)
 
@@ -230,7 +189,7 @@ def test_vhost_two_senders(env, qdisc, record_property):
     else:
         set_qdisc(t.name, qdisc)
         qspec = qdisc
-    rx = vhostrx(env, t, rate=OVL_RATE, bufs=OVL_BUFS)
+    rx = env.vhostrx(t, rate=OVL_RATE, bufs=OVL_BUFS)
     d0 = tx_dropped(t.name)
     q0 = qdisc_totals(t.name)
     cpu_list = cpus()
@@ -361,7 +320,7 @@ def test_vhost_load_events(env, events, record_property):
     t = make_tap(env, "ndvh2", env.bp_flag(), True, DA_RING)
     dev = t.name
     set_fq_codel(dev)
-    rx = vhostrx(env, t, rate=DA_RATE, bufs=DA_BUFS)
+    rx = env.vhostrx(t, rate=DA_RATE, bufs=DA_BUFS)
     d0 = tx_dropped(dev)
     q0 = qdisc_totals(dev)
     load = env.sender(0, ident=1, sport=43000, flows=8, label="load")
@@ -478,7 +437,7 @@ def test_vhost_legacy_no_flag(env, record_property):
     t = make_tap(env, "ndvh3", 0, True, RING)
     assert not t.get_iff() & IFF_BACKPRESSURE
     qspec = set_fq_codel(t.name)
-    rx = vhostrx(env, t, paused=True, detached=True)
+    rx = env.vhostrx(t, paused=True, detached=True)
     d0 = tx_dropped(t.name)
     q0 = root_qdisc(t.name)
     s = env.burst(N, size=SIZE, ident=1, sndbuf=SNDBUF)

@@ -430,6 +430,25 @@ class Reader:
         return r
 
 
+class VhostRx(Reader):
+    """A running tools/vhostrx process (same protocol as tunreader, plus
+    detach/attach of the vhost backend)."""
+
+    def _checked(self, text: str) -> dict:
+        r = self.cmd(text)
+        assert r.get("event") != "error", f"vhostrx {self.label}: '{text}' -> {r}"
+        return r
+
+    def detach(self) -> dict:
+        return self._checked("detach")
+
+    def attach(self) -> dict:
+        return self._checked("attach")
+
+    def go(self) -> dict:
+        return self._checked("go")
+
+
 class Sender:
     """A tools/udpburst process."""
 
@@ -519,6 +538,28 @@ class Env:
         if cpu is not None:
             argv += ["--cpu", str(cpu)]
         return Reader(self._spawn(argv, pass_fds), label)
+
+    def vhostrx(self, tun: Tun, *, paused: bool = False, detached: bool = False,
+                rate: int = 0, bufs: int | None = None, cpu: int | None = None,
+                label: str = "vhostrx") -> VhostRx:
+        """tools/vhostrx as the consumer of tun's queue (vhost-net RX)."""
+        prog = self.tools.path("vhostrx")
+        if not os.access(prog, os.X_OK):
+            raise AssertionError(f"missing helper {prog}: run `make -C tools OUT={self.tools.dir}`")
+        argv = [prog, "--fd", str(tun.fd)]
+        if paused:
+            argv.append("--paused")
+        if detached:
+            argv.append("--detached")
+        if rate:
+            argv += ["--rate", str(rate)]
+        if bufs:
+            argv += ["--bufs", str(bufs)]
+        if cpu is not None:
+            argv += ["--cpu", str(cpu)]
+        rx = VhostRx(self._spawn(argv, [tun.fd]), label)
+        log(f"{label} ready: {rx.ready}")
+        return rx
 
     def sender(self, count: int, *, size: int = 1000, ident: int = 0,
                cpu: int | None = None, sndbuf: int | None = None,
