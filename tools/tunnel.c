@@ -3,7 +3,8 @@
  * tunnel - a minimal user-space "VPN": one tun device <-> one UDP socket.
  *
  * usage: tunnel --dev NAME [--flags HEX] --local IP:PORT --peer IP:PORT
- *               [--delay-us N] [--spin-us N] [--sndbuf B] [--cpu C]
+ *               [--delay-us N] [--spin-us N] [--rate-pps N [--burst N]]
+ *               [--sndbuf B] [--cpu C]
  *
  *   --flags HEX   TUNSETIFF flags (default 0x1001 = IFF_TUN|IFF_NO_PI); add
  *                 0x0080 for IFF_BACKPRESSURE where the kernel reports it
@@ -11,9 +12,19 @@
  *                 reader (scheduling delay)
  *   --spin-us N   busy-wait N us after each packet read from the tun: a
  *                 CPU-bound reader (emulates per-packet encryption)
+ *   --rate-pps N  read at most N packets per second from the tun (token
+ *                 bucket of --burst packets, default max(4, N/50), i.e.
+ *                 20 ms worth: under TCG a timer wake-up can be late by
+ *                 several ms, and a smaller bucket then loses tokens and
+ *                 the rate). The reader sleeps in ppoll() between tokens,
+ *                 so it costs no CPU and keeps serving the UDP socket (the
+ *                 reverse direction) while the tun is throttled: a slow
+ *                 uplink behind the VPN, with the standing queue at the tun.
  *
  * Every packet read from the tun is sent as one UDP datagram to the peer;
- * every UDP datagram received is written into the tun. One thread, poll().
+ * every UDP datagram received is written into the tun. One thread, ppoll();
+ * at most BATCH packets of one direction per turn (and, with --rate-pps, at
+ * most the tokens available).
  * Two of these in two network namespaces joined by a veth pair are the
  * "VPN" path of the benchmarks.
  *
@@ -109,7 +120,8 @@ static void usage(void)
 {
 	fprintf(stderr,
 		"usage: tunnel --dev NAME [--flags HEX] --local IP:PORT --peer IP:PORT\n"
-		"              [--delay-us N] [--spin-us N] [--sndbuf B] [--cpu C]\n");
+		"              [--delay-us N] [--spin-us N] [--rate-pps N [--burst N]]\n"
+		"              [--sndbuf B] [--cpu C]\n");
 	exit(2);
 }
 
@@ -122,13 +134,17 @@ int main(int argc, char **argv)
 		{ "peer", required_argument, NULL, 'p' },
 		{ "delay-us", required_argument, NULL, 'D' },
 		{ "spin-us", required_argument, NULL, 'S' },
+		{ "rate-pps", required_argument, NULL, 'r' },
+		{ "burst", required_argument, NULL, 'B' },
 		{ "sndbuf", required_argument, NULL, 'b' },
 		{ "cpu", required_argument, NULL, 'c' },
 		{ NULL, 0, NULL, 0 },
 	};
 	const char *dev = NULL, *local = NULL, *peer = NULL;
 	unsigned int flags = IFF_TUN | IFF_NO_PI;
-	long delay_us = 0, spin_us = 0;
+	long delay_us = 0, spin_us = 0, rate_pps = 0, burst = 0;
+	double tokens = 0;
+	uint64_t last_ns = 0;
 	int sndbuf = 4 << 20, cpu = -1, c, tfd, ufd;
 	struct sockaddr_in la, pa;
 	struct ifreq ifr;
@@ -143,13 +159,17 @@ int main(int argc, char **argv)
 		case 'p': peer = optarg; break;
 		case 'D': delay_us = atol(optarg); break;
 		case 'S': spin_us = atol(optarg); break;
+		case 'r': rate_pps = atol(optarg); break;
+		case 'B': burst = atol(optarg); break;
 		case 'b': sndbuf = atoi(optarg); break;
 		case 'c': cpu = atoi(optarg); break;
 		default: usage();
 		}
 	}
-	if (!dev || !local || !peer || strlen(dev) >= IFNAMSIZ)
+	if (!dev || !local || !peer || strlen(dev) >= IFNAMSIZ || rate_pps < 0)
 		usage();
+	if (rate_pps && burst <= 0)
+		burst = rate_pps / 50 > 4 ? rate_pps / 50 : 4;
 	if (parse_addr(local, &la) || parse_addr(peer, &pa)) {
 		fprintf(stderr, "tunnel: bad address\n");
 		return 2;
@@ -209,31 +229,55 @@ int main(int argc, char **argv)
 	       (unsigned int)(unsigned short)ifr.ifr_flags);
 	fflush(stdout);
 
+	last_ns = now_ns();
 	while (!stop_req) {
 		struct pollfd pfd[2] = {
 			{ .fd = tfd, .events = POLLIN },
 			{ .fd = ufd, .events = POLLIN },
 		};
+		struct timespec to = { 0, 200 * 1000000L };
+		long allowed = BATCH;
 		int i, n;
 
 		if (stat_req) {
 			stat_req = 0;
 			print_counters("stat");
 		}
-		n = poll(pfd, 2, 200);
+		if (rate_pps) {
+			uint64_t t = now_ns();
+
+			tokens += (double)(t - last_ns) * (double)rate_pps / 1e9;
+			if (tokens > (double)burst)
+				tokens = (double)burst;
+			last_ns = t;
+			allowed = (long)tokens;
+			if (allowed > BATCH)
+				allowed = BATCH;
+			if (allowed < 1) {
+				/* no token: ignore the tun, wake when one is due */
+				uint64_t wait = (uint64_t)((1.0 - tokens) * 1e9 / (double)rate_pps) + 1;
+
+				pfd[0].fd = -1;
+				to.tv_sec = (time_t)(wait / 1000000000ull);
+				to.tv_nsec = (long)(wait % 1000000000ull);
+			}
+		}
+		n = ppoll(pfd, 2, &to, NULL);
 		if (n < 0) {
 			if (errno == EINTR)
 				continue;
-			perror("tunnel: poll");
+			perror("tunnel: ppoll");
 			return 1;
 		}
 		if (pfd[0].revents & POLLIN) {
-			for (i = 0; i < BATCH && !stop_req; i++) {
+			for (i = 0; i < allowed && !stop_req; i++) {
 				ssize_t r = read(tfd, buf, sizeof(buf));
 
 				if (r < 0)
 					break;
 				tun_rx++;
+				if (rate_pps)
+					tokens -= 1.0;
 				slow_down(delay_us, spin_us);
 				for (;;) {
 					if (send(ufd, buf, (size_t)r, 0) == r) {
