@@ -212,7 +212,7 @@ def cmd_test(flavors: list[Flavor], chaos: list[Flavor]) -> int:
         rows.append(_suites_row(fl, ["selftest", "guest"], out / fl.name, tools, {}))
     for fl in chaos:
         dur = os.environ.get("DURATION") or str(CHAOS_DEFAULT_S)
-        rows.append(_suites_row(fl, ["selftest", "chaos"], out / f"{fl.name}-chaos", tools,
+        rows.append(_suites_row(fl, ["chaos"], out / f"{fl.name}-chaos", tools,
                                 {"DURATION": dur}, label=f"{fl.name} (chaos {dur}s)"))
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     return _print_table(rows, out)

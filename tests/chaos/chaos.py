@@ -52,15 +52,17 @@ import tunlib as tl  # noqa: E402
 DEV = "chaos0"
 BASE_FLAGS = tl.IFF_TAP | tl.IFF_NO_PI | tl.IFF_MULTI_QUEUE
 QLENS = [1, 2, 10, 64, 100, 500, 1000]
+QDISC_WEIGHT = {"fq_codel": 3, "pfifo": 2, "noqueue": 1, "mq": 2}
+UNQUEUED = ("noqueue", "noop", "none")     # root "qdiscs" that hold nothing
 QDISCS = {"fq_codel": tl.FQ_CODEL_ARGS, "pfifo": "pfifo limit 1000",
           "noqueue": "noqueue", "mq": None}
 SNDBUF = 4 << 20
 # Rates are low on purpose: under TCG (and KASAN) senders at full speed starve
 # the chaos loop of CPU. A consumer is slower than what the senders put on its
 # queue, and a paused one fills its ring in well under a second.
-SENDER_PPS = 3000           # each of the two senders
-READER_DELAY_US = 400       # tunreader: at most 2500 packets/s
-VHOST_RATE = 1500           # vhostrx: packets per second
+SENDER_PPS = 1000           # each of the two senders
+READER_DELAY_US = 1000      # tunreader: at most 1000 packets/s
+VHOST_RATE = 500            # vhostrx: packets per second
 BURST = 300                 # the fresh burst after the chaos
 BURST_ID = 9
 STALL_S = 60.0
@@ -114,6 +116,7 @@ class Chaos:
         self.privflag = False
         self.link_up = True
         self.qdisc = "fq_codel"
+        self.qdisc_kind = "fq_codel"    # what the kernel reports after the last swap
         self.events: list[dict] = []
         self.windows = {"protected": 0, "unprotected": 0, "protected_s": 0.0,
                         "protected_drops": 0, "unprotected_drops": 0,
@@ -122,7 +125,13 @@ class Chaos:
 
     # --- device and consumers -------------------------------------------------
     def open_slot(self, s: Slot) -> None:
-        s.tun = self.env.tun(DEV, self.flags)
+        # A new queue asks for what the device has now (the priv flag may have
+        # changed it): asking for IFF_BACKPRESSURE on a device whose other
+        # queues run without it is -EINVAL by design (docs/operator.md).
+        flags = self.flags
+        if any(o.tun is not None for o in self.slots):
+            flags = BASE_FLAGS | (tl.IFF_BACKPRESSURE if self.kernel_bp() else 0)
+        s.tun = self.env.tun(DEV, flags)
         label = f"q{s.idx}-{s.kind}"
         if s.kind == "vhost":
             s.rx = self.env.vhostrx(s.tun, rate=VHOST_RATE, label=label)
@@ -177,14 +186,16 @@ class Chaos:
 
     # --- state of a window -------------------------------------------------------
     def snapshot(self) -> dict:
-        q = tl.root_qdisc(DEV).get("kind")
+        """No process is spawned here (under KASAN + TCG a spawn costs
+        seconds): /proc/net/dev, TUNGETIFF, and the root qdisc the kernel
+        reported after the last swap (only a qdisc action changes it)."""
         return {"t": time.monotonic() - T0, "tx_dropped": tl.tx_dropped(DEV),
-                "bp": self.kernel_bp(), "qdisc": q, "link": self.link_up,
+                "bp": self.kernel_bp(), "qdisc": self.qdisc_kind, "link": self.link_up,
                 "attached": sum(1 for s in self.slots if s.tun is not None and s.attached)}
 
     @staticmethod
     def protected(a: dict) -> bool:
-        return a["bp"] and a["qdisc"] != "noqueue" and a["link"] and a["attached"] > 0
+        return a["bp"] and a["qdisc"] not in UNQUEUED and a["link"] and a["attached"] > 0
 
     def account(self, a: dict, b: dict, what: str) -> None:
         """Steady window a -> b (no action in between)."""
@@ -249,14 +260,24 @@ class Chaos:
         return f"txqueuelen {n}"
 
     def a_link(self) -> str:
-        self.link_up = not self.link_up
-        tl.sh(f"ip link set dev {DEV} {'up' if self.link_up else 'down'}")
-        if self.link_up:    # link down flushed the route and the neighbour
+        """Link down, a random 0-1 s with it down (the senders keep trying),
+        link up: ndo_stop and ndo_open with traffic in flight."""
+        down_s = self.rng.uniform(0.0, 1.0)
+        self.set_link(False)
+        time.sleep(down_s)
+        self.set_link(True)
+        return f"link down for {down_s:.2f}s, up ({self.qdisc_kind})"
+
+    def set_link(self, up: bool) -> None:
+        tl.sh(f"ip link set dev {DEV} {'up' if up else 'down'}")
+        self.link_up = up
+        if up:      # link down flushed the route and the neighbour
             tl.sh(f"ip neigh replace {tl.PEER_IP} lladdr {tl.PEER_MAC} dev {DEV} nud permanent")
-        return f"link {'up' if self.link_up else 'down'}"
+            # a qdisc deleted while down is replaced by the default at up
+            self.qdisc_kind = root_kind()
 
     def a_qdisc(self) -> str:
-        self.qdisc = self.rng.choice(list(QDISCS))
+        self.qdisc = self.rng.choices(list(QDISCS), [QDISC_WEIGHT[q] for q in QDISCS])[0]
         spec = QDISCS[self.qdisc]
         if spec is None:
             tl.sh(f"tc qdisc del dev {DEV} root", check=False)
@@ -264,7 +285,8 @@ class Chaos:
             tl.set_fq_codel(DEV)
         else:
             tl.set_qdisc(DEV, spec)
-        return f"qdisc {self.qdisc}"
+        self.qdisc_kind = root_kind()
+        return f"qdisc {self.qdisc} ({self.qdisc_kind})"
 
     def a_flag_reopen(self) -> str:
         want = self.bp_supported and self.rng.random() < 0.5
@@ -277,10 +299,18 @@ class Chaos:
                f"-> kernel says {'on' if self.kernel_bp() else 'off'}"
 
     def a_privflag(self) -> str:
+        """ethtool priv flag: switch backpressure over; half of the time
+        switch it back after 0-1 s (run-time toggles with traffic in flight)."""
         if not self.privflag:
             return self.a_flag_reopen()
         on = not self.kernel_bp()
         tl.set_priv_flag(DEV, "backpressure", on)
+        if self.rng.random() < 0.5:
+            back_s = self.rng.uniform(0.0, 1.0)
+            time.sleep(back_s)
+            tl.set_priv_flag(DEV, "backpressure", not on)
+            return f"ethtool priv flag backpressure {'on' if on else 'off'} for " \
+                   f"{back_s:.2f}s, then {'off' if on else 'on'}"
         return f"ethtool priv flag backpressure {'on' if on else 'off'}"
 
     ACTIONS = [("pause", 6), ("reopen", 2), ("detach", 3), ("backend", 2), ("qlen", 2),
@@ -328,7 +358,7 @@ class Chaos:
             say(f"sender {snd.label}: {r}")
         self.senders = []
         if not self.link_up:
-            self.a_link()
+            self.set_link(True)
         for s in self.slots:
             if s.tun is None:
                 self.open_slot(s)
@@ -343,7 +373,7 @@ class Chaos:
                 s.paused = False
         tl.sh(f"ip link set dev {DEV} txqueuelen 500")
         tl.set_fq_codel(DEV)
-        self.qdisc = "fq_codel"
+        self.qdisc = self.qdisc_kind = "fq_codel"
         t = time.monotonic()
         stall = None
         try:
@@ -397,6 +427,18 @@ class Chaos:
             self.close_slot(s)
         self.env.cleanup()
         self.env.persistent.clear()
+
+
+def root_kind() -> str:
+    """The root qdisc's kind; when tc lists no root (seen right after
+    `tc qdisc del root` with queues detached), the first listed kind, or
+    "none"; logged, and never counted as a queueing qdisc."""
+    qs = tl.qdiscs(DEV)
+    for q in qs:
+        if q.get("root"):
+            return q.get("kind", "none")
+    say(f"no root qdisc listed on {DEV}: {qs}")
+    return "none"
 
 
 # --- kernel log and kmemleak ---------------------------------------------------------
