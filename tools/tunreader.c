@@ -45,8 +45,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MAX_IDS 16
-#define PKTGEN_MAGIC 0xbe9be955u
+#include "pktclass.h"
+
 #define BATCH 64
 
 struct counters {
@@ -101,65 +101,28 @@ static unsigned long long counter(const char *key)
 	return 0;
 }
 
-static uint16_t be16(const unsigned char *p)
-{
-	return (uint16_t)(p[0] << 8 | p[1]);
-}
-
-static uint32_t be32(const unsigned char *p)
-{
-	return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 |
-	       (uint32_t)p[2] << 8 | p[3];
-}
-
 static void classify(const unsigned char *p, size_t len, int tap, size_t vnet)
 {
-	size_t ip = vnet, ihl, tot, udp;
+	uint32_t id = 0, seq = 0;
 
-	if (tap) {
-		if (len < vnet + 14) {
-			cnt.bad++;
-			return;
-		}
-		if (be16(p + vnet + 12) != 0x0800) {
-			cnt.other++;
-			return;
-		}
-		ip = vnet + 14;
-	}
-	if (len < ip + 20) {
+	if (len < vnet) {
 		cnt.bad++;
 		return;
 	}
-	if ((p[ip] >> 4) != 4) {
-		if ((p[ip] >> 4) == 6)
-			cnt.other++;
-		else
-			cnt.bad++;
-		return;
-	}
-	ihl = (size_t)(p[ip] & 0xf) * 4;
-	tot = be16(p + ip + 2);
-	/* tap frames may be padded to the Ethernet minimum */
-	if (ihl < 20 || tot < ihl || (tap ? ip + tot > len : ip + tot != len)) {
-		cnt.bad++;
-		return;
-	}
-	if (p[ip + 9] != 17 || tot < ihl + 8 + 16) {
-		cnt.other++;
-		return;
-	}
-	udp = ip + ihl + 8;
-	if (!memcmp(p + udp, "NDRP", 4)) {
-		uint32_t id = be32(p + udp + 4);
-
+	switch (pkt_classify(p + vnet, len - vnet, tap, &id, &seq)) {
+	case PKT_OURS:
 		cnt.ours++;
 		if (id < MAX_IDS)
 			cnt.per_id[id]++;
-	} else if (be32(p + udp) == PKTGEN_MAGIC) {
+		break;
+	case PKT_PKTGEN:
 		cnt.pktgen++;
-	} else {
+		break;
+	case PKT_OTHER:
 		cnt.other++;
+		break;
+	default:
+		cnt.bad++;
 	}
 }
 

@@ -88,13 +88,13 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "pktclass.h"
+
 #ifndef IFF_BACKPRESSURE
 #define IFF_BACKPRESSURE 0x0080
 #endif
 
-#define MAX_IDS 16
 #define MAX_SEQ (1u << 20)	/* sequence numbers tracked per id */
-#define PKTGEN_MAGIC 0xbe9be955u
 #define HDR_LEN sizeof(struct virtio_net_hdr_mrg_rxbuf)	/* VERSION_1 */
 #define REAP_BATCH 64
 #define PAGE 4096ul
@@ -199,17 +199,6 @@ static unsigned long long counter(const char *key)
 	return 0;
 }
 
-static uint16_t be16(const unsigned char *p)
-{
-	return (uint16_t)(p[0] << 8 | p[1]);
-}
-
-static uint32_t be32(const unsigned char *p)
-{
-	return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 |
-	       (uint32_t)p[2] << 8 | p[3];
-}
-
 static void note_seq(uint32_t id, uint32_t seq)
 {
 	cnt.per_id[id]++;
@@ -230,52 +219,22 @@ static void note_seq(uint32_t id, uint32_t seq)
 /* p: the frame after the virtio-net header, len: its length */
 static void classify(const unsigned char *p, size_t len)
 {
-	size_t ip = 0, ihl, tot, udp;
+	uint32_t id = 0, seq = 0;
 
-	if (is_tap) {
-		if (len < 14) {
-			cnt.bad++;
-			return;
-		}
-		if (be16(p + 12) != 0x0800) {
-			cnt.other++;
-			return;
-		}
-		ip = 14;
-	}
-	if (len < ip + 20) {
-		cnt.bad++;
-		return;
-	}
-	if ((p[ip] >> 4) != 4) {
-		if ((p[ip] >> 4) == 6)
-			cnt.other++;
-		else
-			cnt.bad++;
-		return;
-	}
-	ihl = (size_t)(p[ip] & 0xf) * 4;
-	tot = be16(p + ip + 2);
-	/* tap frames may be padded to the Ethernet minimum */
-	if (ihl < 20 || tot < ihl || (is_tap ? ip + tot > len : ip + tot != len)) {
-		cnt.bad++;
-		return;
-	}
-	if (p[ip + 9] != 17 || tot < ihl + 8 + 16) {
-		cnt.other++;
-		return;
-	}
-	udp = ip + ihl + 8;
-	if (!memcmp(p + udp, "NDRP", 4)) {
-		uint32_t id = be32(p + udp + 4);
-
+	switch (pkt_classify(p, len, is_tap, &id, &seq)) {
+	case PKT_OURS:
 		cnt.ours++;
 		if (id < MAX_IDS)
-			note_seq(id, be32(p + udp + 8));
-	} else if (be32(p + udp) == PKTGEN_MAGIC) {
+			note_seq(id, seq);
+		break;
+	case PKT_PKTGEN:
 		cnt.pktgen++;
-	} else {
+		break;
+	case PKT_OTHER:
 		cnt.other++;
+		break;
+	default:
+		cnt.bad++;
 	}
 }
 
