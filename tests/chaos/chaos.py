@@ -52,6 +52,11 @@ import tunlib as tl  # noqa: E402
 DEV = "chaos0"
 BASE_FLAGS = tl.IFF_TAP | tl.IFF_NO_PI | tl.IFF_MULTI_QUEUE
 QLENS = [1, 2, 10, 64, 100, 500, 1000]
+# actions that leave the device state alone (queues stay attached, flag,
+# qdisc and link stay): the time they take counts as a steady window too.
+# Not qlen: a txqueuelen change deactivates the qdisc (noop_enqueue counts
+# tx_dropped) for a moment, in the core, for every device.
+KEEPS_PROTECTION = ("pause", "backend")
 QDISC_WEIGHT = {"fq_codel": 3, "pfifo": 2, "noqueue": 1, "mq": 2}
 UNQUEUED = ("noqueue", "noop", "none")     # root "qdiscs" that hold nothing
 QDISCS = {"fq_codel": tl.FQ_CODEL_ARGS, "pfifo": "pfifo limit 1000",
@@ -198,7 +203,7 @@ class Chaos:
         return a["bp"] and a["qdisc"] not in UNQUEUED and a["link"] and a["attached"] > 0
 
     def account(self, a: dict, b: dict, what: str) -> None:
-        """Steady window a -> b (no action in between)."""
+        """Window a -> b: no action in between, or one of KEEPS_PROTECTION."""
         d = b["tx_dropped"] - a["tx_dropped"]
         same = all(a[k] == b[k] for k in ("bp", "qdisc", "link", "attached"))
         w = self.windows
@@ -333,7 +338,11 @@ class Chaos:
             what = getattr(self, "a_" + name)()
             after = self.snapshot()
             d = after["tx_dropped"] - cur["tx_dropped"]
-            if d:
+            if name in KEEPS_PROTECTION:
+                # the device stayed protected through the action: it counts
+                # as a protected window (drops here fail the check too)
+                self.account(cur, after, what)
+            elif d:
                 td = self.windows["transition_drops"]
                 td[name] = td.get(name, 0) + d
             counts[name] = counts.get(name, 0) + 1
