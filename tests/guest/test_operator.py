@@ -533,3 +533,53 @@ def _openvpn_run(env, phases, tmp: str, record_property) -> None:
         f"{r['mode']}: tun tx_dropped={r['tun_tx_dropped']} received_far="
         f"{r['received_far']}/{r['sent']} far_udp_rcvbuf_errors={r['far_udp_rcvbuf_errors']}"
         for r in rows))
+
+
+BURST2 = 50
+
+
+def test_privflag_off_wakes_detached_stopped_queue(env, record_property):
+    """Regression (found by tests/chaos, seed 6): queue 1 is stopped with a
+    full ring, detached (its index falls out of use), the operator switches
+    backpressure off, queue 1 is attached again. Nothing may stay stopped:
+    with a single root qdisc, one stopped queue at the head blocks them all."""
+    flags = IFF_TUN | IFF_NO_PI | IFF_MULTI_QUEUE | env.bp_flag()
+    q0 = env.tun("ndop3", flags)
+    dev = q0.name
+    require_privflag(env, dev)
+    q1 = env.tun(dev, flags)
+    setup_ip(dev, tap=False, txqueuelen=RING)
+    set_fq_codel(dev)
+    r0 = env.reader(q0, label="q0")
+    r0.go()
+    r1 = env.reader(q1, paused=True, label="q1")
+    env.burst(300, size=SIZE, ident=1, sport=30000, flows=16, sndbuf=SNDBUF)
+    st = ethtool_stats(dev)
+    log(f"after the burst with q1 paused: {st}")
+    assert st.get("tx_queue_1_bp_stops", 0) >= 1, f"queue 1 never stopped: {st}"
+    q1.set_queue(False)
+    set_priv_flag(dev, FLAG, False)
+    q1.set_queue(True)
+    r1.go()
+    quiesce([r0, r1])
+    # The flag is off now: the legacy ring may tail-drop (counted), but
+    # nothing may wait in the qdisc for a queue nobody will wake.
+    base = sum(r.stat()["per_id"][2] for r in (r0, r1))
+    d0 = tx_dropped(dev)
+    env.burst(BURST2, size=SIZE, ident=2, sport=31000, flows=16, sndbuf=SNDBUF)
+    got, last, t = base, time.monotonic(), time.monotonic()
+    while got - base + tx_dropped(dev) - d0 < BURST2 and time.monotonic() - last < STALL_S:
+        time.sleep(0.3)
+        n = sum(r.stat()["per_id"][2] for r in (r0, r1))
+        if n != got:
+            got, last = n, time.monotonic()
+    q = qdisc_totals(dev)
+    dropped = tx_dropped(dev) - d0
+    record_property("delivered", got - base)
+    record_property("tx_dropped", dropped)
+    record_property("qdisc_backlog", q["qlen"])
+    log(f"fresh burst after detach + off + attach: {got - base}/{BURST2} delivered, "
+        f"{dropped} tail-dropped (legacy) in {time.monotonic() - t:.1f}s; qdisc {q}")
+    assert q["qlen"] == 0 and got - base + dropped == BURST2, (
+        f"STALL: {got - base}/{BURST2} delivered, {dropped} dropped, qdisc backlog "
+        f"{q['qlen']}p: a queue stayed stopped")
