@@ -107,10 +107,9 @@ class Slot:
 
 
 class Chaos:
-    def __init__(self, tools: str, seed: int, out: Path | None):
+    def __init__(self, tools: str, seed: int):
         self.rng = random.Random(seed)
         self.seed = seed
-        self.out = out
         self.env = tl.Env(tl.Tools(tools), tl.has_backpressure())
         self.bp_supported = self.env.bp
         self.vhost = os.path.exists("/dev/vhost-net") and \
@@ -120,7 +119,6 @@ class Chaos:
         self.senders: list[tl.Sender] = []
         self.privflag = False
         self.link_up = True
-        self.qdisc = "fq_codel"
         self.qdisc_kind = "fq_codel"    # what the kernel reports after the last swap
         self.events: list[dict] = []
         self.windows = {"protected": 0, "unprotected": 0, "protected_s": 0.0,
@@ -282,16 +280,16 @@ class Chaos:
             self.qdisc_kind = root_kind()
 
     def a_qdisc(self) -> str:
-        self.qdisc = self.rng.choices(list(QDISCS), [QDISC_WEIGHT[q] for q in QDISCS])[0]
-        spec = QDISCS[self.qdisc]
+        name = self.rng.choices(list(QDISCS), [QDISC_WEIGHT[q] for q in QDISCS])[0]
+        spec = QDISCS[name]
         if spec is None:
             tl.sh(f"tc qdisc del dev {DEV} root", check=False)
-        elif self.qdisc == "fq_codel":
+        elif name == "fq_codel":
             tl.set_fq_codel(DEV)
         else:
             tl.set_qdisc(DEV, spec)
         self.qdisc_kind = root_kind()
-        return f"qdisc {self.qdisc} ({self.qdisc_kind})"
+        return f"qdisc {name} ({self.qdisc_kind})"
 
     def a_flag_reopen(self) -> str:
         want = self.bp_supported and self.rng.random() < 0.5
@@ -382,7 +380,7 @@ class Chaos:
                 s.paused = False
         tl.sh(f"ip link set dev {DEV} txqueuelen 500")
         tl.set_fq_codel(DEV)
-        self.qdisc = self.qdisc_kind = "fq_codel"
+        self.qdisc_kind = "fq_codel"
         t = time.monotonic()
         stall = None
         try:
@@ -495,11 +493,16 @@ def involves_ours(block: list[str]) -> bool:
     return any(OURS_RE.search(f) for f in frames)
 
 
-def kmemleak_scan() -> dict:
+def have_kmemleak() -> bool:
+    """kmemleak's debugfs file, mounting debugfs first if needed."""
     if not os.path.exists(KMEMLEAK):
         subprocess.run(["mount", "-t", "debugfs", "none", "/sys/kernel/debug"],
                        capture_output=True)
-    if not os.path.exists(KMEMLEAK):
+    return os.path.exists(KMEMLEAK)
+
+
+def kmemleak_scan() -> dict:
+    if not have_kmemleak():
         return {"available": False}
     # an object must stay unreferenced for 5 s (kmemleak min age) and be
     # seen by a scan; two scans make the report stable
@@ -513,10 +516,7 @@ def kmemleak_scan() -> dict:
 
 
 def kmemleak_clear() -> None:
-    if not os.path.exists(KMEMLEAK):
-        subprocess.run(["mount", "-t", "debugfs", "none", "/sys/kernel/debug"],
-                       capture_output=True)
-    if os.path.exists(KMEMLEAK):
+    if have_kmemleak():
         try:
             tl.write_file(KMEMLEAK, "clear")
         except OSError as e:
@@ -530,7 +530,7 @@ def run(duration: float, seed: int, tools: str, out: Path | None) -> dict:
     kmemleak_clear()
     orig = os.open("/proc/self/ns/net", os.O_RDONLY)
     tl.unshare_net()
-    c = Chaos(tools, seed, out)
+    c = Chaos(tools, seed)
     res = c.result
     res.update(duration_s=duration, kernel=os.uname().release,
                features=hex(tl.get_features()), bp_supported=c.bp_supported,
@@ -555,8 +555,9 @@ def run(duration: float, seed: int, tools: str, out: Path | None) -> dict:
             os.close(orig)
     res["events"] = c.events
     leaks = kmemleak_scan()
-    sp = splats(kernel_log())
-    noq = sum(1 for ln in kernel_log() if NOQUEUE_MSG in ln)
+    klog = kernel_log()
+    sp = splats(klog)
+    noq = sum(1 for ln in klog if NOQUEUE_MSG in ln)
     res["kmemleak"] = {k: v for k, v in leaks.items() if k != "text"}
     res["splats"] = {"ours": [s["first"] for s in sp if s["ours"]],
                      "other": [s["first"] for s in sp if not s["ours"]],
@@ -564,7 +565,7 @@ def run(duration: float, seed: int, tools: str, out: Path | None) -> dict:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "chaos.json").write_text(json.dumps(res, indent=1) + "\n")
-        (out / "chaos-dmesg.log").write_text("\n".join(kernel_log()) + "\n")
+        (out / "chaos-dmesg.log").write_text("\n".join(klog) + "\n")
         if sp:
             (out / "chaos-splats.log").write_text("\n\n".join(s["text"] for s in sp) + "\n")
         if leaks.get("text"):
@@ -593,14 +594,23 @@ def verdict(res: dict) -> list[str]:
     return bad
 
 
-def main() -> int:
+def env_defaults() -> dict:
+    """DURATION (s, default 120), SEED (default random), NODROP_TOOLS,
+    NODROP_RESULTS: what the lab passes; shared by main() and test_chaos.py."""
     env = os.environ
+    return {"duration": float(env.get("DURATION") or 120),
+            "seed": int(env.get("SEED") or int.from_bytes(os.urandom(4), "little")),
+            "tools": env.get("NODROP_TOOLS", str(HERE.parent.parent / "tools" / "build")),
+            "results": env.get("NODROP_RESULTS")}
+
+
+def main() -> int:
+    d = env_defaults()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--duration", type=float, default=float(env.get("DURATION") or 120))
-    ap.add_argument("--seed", type=int, default=int(env.get("SEED") or
-                                                      int.from_bytes(os.urandom(4), "little")))
-    ap.add_argument("--tools", default=env.get("NODROP_TOOLS", str(HERE.parent.parent / "tools" / "build")))
-    ap.add_argument("--results", default=env.get("NODROP_RESULTS"))
+    ap.add_argument("--duration", type=float, default=d["duration"])
+    ap.add_argument("--seed", type=int, default=d["seed"])
+    ap.add_argument("--tools", default=d["tools"])
+    ap.add_argument("--results", default=d["results"])
     a = ap.parse_args()
     res = run(a.duration, a.seed, a.tools, Path(a.results) if a.results else None)
     bad = verdict(res)

@@ -6,7 +6,6 @@ random, printed) come from the environment (`make test`, `make chaos`).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -16,13 +15,10 @@ import chaos
 
 @pytest.fixture(scope="module")
 def res():
-    env = os.environ
-    seed = int(env.get("SEED") or int.from_bytes(os.urandom(4), "little"))
-    out = env.get("NODROP_RESULTS")
-    r = chaos.run(float(env.get("DURATION") or 120), seed,
-                  env.get("NODROP_TOOLS", str(Path(__file__).resolve().parents[2] / "tools" / "build")),
-                  Path(out) if out else None)
-    print(f"chaos seed {seed}: {chaos.verdict(r) or 'clean'}")
+    d = chaos.env_defaults()
+    r = chaos.run(d["duration"], d["seed"], d["tools"],
+                  Path(d["results"]) if d["results"] else None)
+    print(f"chaos seed {d['seed']}: {chaos.verdict(r) or 'clean'}")
     return r
 
 
