@@ -17,7 +17,7 @@ from .deps import lab_python
 from .fetch import fetch
 from .kernel import Built, kernel
 from .matrix import Flavor, load
-from .vm import GuestResult, boot_and_run, guest_env, report_failure
+from .vm import CLOCK_OPTS, GuestResult, boot_and_run, guest_env, report_failure
 
 # Host environment variables forwarded into the guest (on top of what the lab
 # sets): every NODROP_* the lab does not set itself, the knobs below, bench
@@ -138,9 +138,11 @@ def cmd_run(fl: Flavor, command: str) -> int:
     b = kernel(fl)
     rw = new_results_dir("run") / fl.name
     rw.mkdir()
-    res = boot_and_run(b.bzimage, command, rw, env=_env_for(b, rw, tools), cwd=Path.cwd(),
-                       timeout=timeout_s(3600))
-    _write_meta(rw, _meta(b, res, {"command": command}))
+    clock = os.environ.get("CLOCK", "wall").strip() or "wall"   # `make run` default: wall
+    env = dict(_env_for(b, rw, tools), NODROP_CLOCK=clock)
+    res = boot_and_run(b.bzimage, command, rw, env=env, cwd=Path.cwd(),
+                       timeout=timeout_s(3600), clock=clock)
+    _write_meta(rw, _meta(b, res, {"command": command, "clock": clock}))
     if res.rc is None:
         raise LabError(report_failure(res, f"{fl.name}: run"))
     say(f"{fl.name}: {res.uname}: exit {res.rc} (results: {rw})")
@@ -325,7 +327,17 @@ def _print_table(rows: list[dict], out: Path) -> int:
 
 # --- bench ----------------------------------------------------------------------
 
+def bench_clock() -> str:
+    """CLOCK=icount (default for benchmarks) or CLOCK=wall; docs/bench.md."""
+    return os.environ.get("CLOCK", "icount").strip() or "icount"
+
+
 def cmd_bench(flavors: list[Flavor]) -> int:
+    clock = bench_clock()
+    if clock not in CLOCK_OPTS:
+        raise LabError(f"CLOCK={clock}: valid clocks are {', '.join(CLOCK_OPTS)}", rc=2)
+    say(f"guest clock: {clock}" + (" (QEMU " + " ".join(CLOCK_OPTS[clock]) + ")"
+                                    if CLOCK_OPTS[clock] else ""))
     tools = build_tools()
     out = new_results_dir("bench")
     rows = []
@@ -350,7 +362,9 @@ def cmd_bench(flavors: list[Flavor]) -> int:
                f"else echo 'no bench/run yet: kernel matrix only'; uname -a; fi")
         env = _env_for(b, rw, tools)
         env["NODROP_BENCH_OUT"] = str(rw)
-        res = boot_and_run(b.bzimage, cmd, rw, env=env, cwd=REPO, timeout=timeout_s(7200))
+        env["NODROP_CLOCK"] = clock
+        res = boot_and_run(b.bzimage, cmd, rw, env=env, cwd=REPO, timeout=timeout_s(7200),
+                           clock=clock)
         row["uname"] = res.uname or "-"
         row["boot"] = f"{res.boot_seconds:.1f}s" if res.boot_seconds else "-"
         if res.rc is None:
@@ -361,12 +375,14 @@ def cmd_bench(flavors: list[Flavor]) -> int:
             row["bench"] = ("ok" if res.rc == 0 else f"exit {res.rc}") + \
                            ("" if BENCH.exists() else " (no bench/run)")
             bad |= res.rc != 0
-        _write_meta(rw, _meta(b, res, {"command": cmd}))
+        _write_meta(rw, _meta(b, res, {"command": cmd, "clock": clock,
+                                       "qemu_clock_opts": " ".join(CLOCK_OPTS[clock])}))
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     if os.access(BENCH_REPORT, os.X_OK):
         dirs = [str(out / r["flavor"]) for r in rows if r["bench"].startswith(("ok", "exit"))]
         if dirs:
             knobs = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(passthrough_env().items()))
+            knobs = f"CLOCK={clock}" + (f" {knobs}" if knobs else "")
             again = f"{knobs + ' ' if knobs else ''}make bench FLAVORS='{' '.join(r['flavor'] for r in rows)}'"
             r = run([sys.executable, str(BENCH_REPORT), "--out", str(out), "--cmd", again, *dirs],
                     check=False)

@@ -23,6 +23,13 @@ from pathlib import Path
 from .common import LabError, cache_dir, say, tail_lines
 from .deps import lab_python, vng_path
 
+# Guest clocks (`make bench CLOCK=...`). wall: QEMU's default, the guest
+# clock follows the host's. icount: the guest clock advances with executed
+# instructions (shift=0: 1 ns per instruction; align=off: never wait for the
+# host clock; sleep=off: idle time is skipped, not slept), so guest-time
+# rates are instruction budgets that host load cannot move. TCG only.
+CLOCK_OPTS = {"wall": [], "icount": ["-icount", "shift=0,align=off,sleep=off"]}
+
 PROBE_BOOTSECTOR = bytes([0xB0, 0x01, 0xE6, 0xF4, 0xF4, 0xEB, 0xFD])  # out 0xf4,1; hlt
 _KVM: tuple[bool, str] | None = None
 
@@ -168,10 +175,14 @@ def _group_alive(pgid: int) -> bool:
 
 def boot_and_run(bzimage: Path, cmd: str, rwdir: Path, *, env: dict[str, str],
                  cwd: Path, timeout: float, boot_timeout: float = 300,
-                 relay: bool = True, cpus: int = 2, memory: str = "2G") -> GuestResult:
+                 relay: bool = True, cpus: int = 2, memory: str = "2G",
+                 clock: str = "wall") -> GuestResult:
     """Boot `bzimage`, run `cmd` (a sh command line) as root in the guest.
 
+    clock: a CLOCK_OPTS key; anything but "wall" boots with TCG.
     Files in rwdir: stdout, stderr, console.log, .nodrop/{cmd,guest.sh,rc,uname,...}."""
+    if clock not in CLOCK_OPTS:
+        raise LabError(f"unknown clock {clock!r}; valid: {', '.join(CLOCK_OPTS)}", rc=2)
     rwdir = rwdir.resolve()
     meta = rwdir / ".nodrop"
     meta.mkdir(parents=True, exist_ok=True)
@@ -185,11 +196,11 @@ def boot_and_run(bzimage: Path, cmd: str, rwdir: Path, *, env: dict[str, str],
         meta=shlex.quote(str(meta)), exports=exports, cwd=shlex.quote(str(cwd))))
     console = rwdir / "console.log"
 
-    kvm, why = kvm_probe()
+    kvm, why = kvm_probe() if clock == "wall" else (False, f"clock {clock} needs TCG")
     attempts = [kvm, False] if kvm else [False]
     for use_kvm in attempts:
         res = _boot_once(bzimage, rwdir, meta, console, use_kvm, timeout, boot_timeout,
-                         relay, cpus, memory)
+                         relay, cpus, memory, CLOCK_OPTS[clock])
         if res.booted or not use_kvm:
             return res
         say("guest did not start with KVM; retrying once with TCG (--disable-kvm)")
@@ -197,7 +208,7 @@ def boot_and_run(bzimage: Path, cmd: str, rwdir: Path, *, env: dict[str, str],
 
 
 def _boot_once(bzimage, rwdir, meta, console, use_kvm, timeout, boot_timeout, relay,
-               cpus, memory) -> GuestResult:
+               cpus, memory, qemu_opts=()) -> GuestResult:
     vng = vng_path()
     args = [vng, "--run", str(bzimage), "--force-9p", "--verbose",
             "--cpus", str(cpus), "--memory", memory, f"--rwdir={rwdir}",
@@ -206,10 +217,13 @@ def _boot_once(bzimage, rwdir, meta, console, use_kvm, timeout, boot_timeout, re
         args.insert(3, "--disable-kvm")
     if os.environ.get("NODROP_APPEND"):           # extra kernel command line (debugging)
         args[3:3] = ["--append", os.environ["NODROP_APPEND"]]
+    if qemu_opts:                                 # one word: vng pastes it into a shell line
+        args[3:3] = [f"--qemu-opts={' '.join(qemu_opts)}"]
     # vng starts `virtme-run` through PATH: put the real interpreter dir first
     # so neither a pyenv shim nor another virtme-ng install is picked up.
     env = dict(os.environ, PATH=f"{Path(vng).parent}:{os.environ.get('PATH', '')}")
-    say(f"booting {bzimage} ({'KVM' if use_kvm else 'TCG'}, {cpus} vCPUs, {memory})")
+    say(f"booting {bzimage} ({'KVM' if use_kvm else 'TCG'}, {cpus} vCPUs, {memory}"
+        f"{', ' + ' '.join(qemu_opts) if qemu_opts else ''})")
     t0 = time.monotonic()
     booted_at = None
     timed_out = False

@@ -1,0 +1,744 @@
+"""Helpers shared by the benchmark scenarios (bench/scenarios/s*.py).
+
+Everything here runs inside the guest, Python 3.11 stdlib only:
+network namespaces held by a process, background processes, the VPN path
+(two `tools/tunnel` ends over a veth), iperf3, pktgen, the stock/bp
+configurations, and the counters the scenarios read in-process (rtnetlink
+qdisc stats, ethtool stats ioctl, netdev-netlink qstats, /proc): a fork+exec
+of tc/ss/ethtool costs about half a second under TCG.
+
+Clock-independent mechanism counters (`mech_snap`/`mech_rates`): queue
+stops and wakes per 1000 delivered packets, from qstats tx-stop/tx-wake when
+the kernel reports them for the device, else from the driver's ethtool stats
+(`*bp_stops`, `*bp_wakes`) when present (feature detection, never the kernel
+name), and the root qdisc's requeues per 1000 packets; plus the guest time
+and per-CPU idle time of the window, from which the report derives guest
+instructions per packet under QEMU icount (docs/bench.md, "Clock").
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import json
+import os
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(REPO / "tests" / "guest"))
+import tunlib as tl  # noqa: E402
+
+ROOT_NS_FD = os.open("/proc/self/ns/net", os.O_RDONLY)
+IFF_TUN, IFF_TAP, IFF_NO_PI, IFF_VNET_HDR = 0x0001, 0x0002, 0x1000, 0x4000
+BP = tl.IFF_BACKPRESSURE
+PG = "/proc/net/pktgen"
+T0 = time.monotonic()
+
+
+def say(msg: str) -> None:
+    print(f"[bench {time.monotonic() - T0:7.1f}s] {msg}", flush=True)
+
+
+def sh(cmd: str, check: bool = True) -> str:
+    return tl.sh(cmd, check=check).stdout
+
+
+# --- network namespaces held by a sleeping process ----------------------------
+class NS:
+    def __init__(self, name: str):
+        self.name = name
+        self.proc = subprocess.Popen(["unshare", "--net", "sleep", "100000"])
+        own = os.stat("/proc/self/ns/net").st_ino
+        path = f"/proc/{self.proc.pid}/ns/net"
+        for _ in range(500):
+            try:
+                if os.stat(path).st_ino != own:
+                    break
+            except FileNotFoundError:
+                pass
+            time.sleep(0.01)
+        else:
+            raise RuntimeError("unshare --net did not create a namespace")
+        self.fd = os.open(path, os.O_RDONLY)
+        with self:
+            sh("ip link set lo up")
+            sh("sysctl -qw net.ipv6.conf.all.disable_ipv6=1 "
+               "net.ipv6.conf.default.disable_ipv6=1", check=False)
+
+    def __enter__(self):
+        tl.setns(self.fd)
+        return self
+
+    def __exit__(self, *a):
+        tl.setns(ROOT_NS_FD)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def close(self):
+        os.close(self.fd)
+        self.proc.kill()
+        self.proc.wait()
+
+
+class Procs:
+    """Background processes of one setup, killed on close."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, argv: list[str], **kw) -> subprocess.Popen:
+        kw.setdefault("text", True)
+        p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, **kw)
+        self.procs.append(p)
+        return p
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            try:
+                p.communicate(timeout=10)
+            except Exception:
+                pass
+        self.procs = []
+
+
+def term(p: subprocess.Popen, timeout: float = 30) -> str:
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+    return out or ""
+
+
+def last_json(text: str) -> dict:
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return {}
+
+
+def qdisc_counts(dev: str) -> dict:
+    """Root qdisc counters: rtnetlink in-process (cheap), `tc` as fallback."""
+    try:
+        q = nl_root_qdisc(dev)
+        if q:
+            return q
+    except OSError:
+        pass
+    try:
+        return tl.qdisc_totals(dev)
+    except Exception:
+        return {"kind": "none", "packets": 0, "drops": 0, "qlen": 0, "backlog": 0,
+                "requeues": 0}
+
+
+# --- cheap in-process probes ------------------------------------------------------
+# tc/ss are a fork+exec each, about half a second under TCG with the benchmark
+# running: too slow and too disturbing to sample a standing queue with. These
+# read the same counters from rtnetlink and /proc in the calling netns.
+RTM_NEWQDISC, RTM_GETQDISC = 36, 38
+NLM_F_REQUEST, NLM_F_DUMP, NLMSG_ERROR, NLMSG_DONE = 1, 0x300, 2, 3
+TCA_KIND, TCA_STATS2, TCA_STATS_BASIC, TCA_STATS_QUEUE = 1, 7, 1, 3
+TC_H_ROOT = 0xFFFFFFFF
+
+
+def _rtattrs(buf: bytes, off: int, end: int):
+    while off + 4 <= end:
+        ln, typ = struct.unpack_from("=HH", buf, off)
+        if ln < 4:
+            break
+        yield typ & 0x3FFF, buf[off + 4:off + ln]
+        off += (ln + 3) & ~3
+
+
+def nl_root_qdisc(dev: str) -> dict:
+    """Root qdisc counters of dev (the `tc -s qdisc` numbers): kind, packets
+    (sent), drops, qlen, backlog (bytes), requeues, overlimits."""
+    idx = socket.if_nametoindex(dev)
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as s:
+        s.send(struct.pack("=IHHII", 36, RTM_GETQDISC, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
+               + struct.pack("=BBHiIII", socket.AF_UNSPEC, 0, 0, 0, 0, 0, 0))
+        found: dict = {}
+        while True:
+            data = s.recv(1 << 16)
+            off = 0
+            while off + 16 <= len(data):
+                ln, typ = struct.unpack_from("=IH", data, off)
+                if typ == NLMSG_DONE:
+                    return found
+                if typ == NLMSG_ERROR:
+                    raise OSError(f"RTM_GETQDISC: {struct.unpack_from('=i', data, off + 16)[0]}")
+                if typ == RTM_NEWQDISC:
+                    _, _, _, ifi, _, parent, _ = struct.unpack_from("=BBHiIII", data, off + 16)
+                    if ifi == idx and parent == TC_H_ROOT:
+                        q = {"kind": "", "packets": 0, "drops": 0, "qlen": 0, "backlog": 0,
+                             "requeues": 0, "overlimits": 0}
+                        for t, v in _rtattrs(data, off + 36, off + ln):
+                            if t == TCA_KIND:
+                                q["kind"] = v.rstrip(b"\0").decode()
+                            elif t == TCA_STATS2:
+                                for t2, v2 in _rtattrs(v, 0, len(v)):
+                                    if t2 == TCA_STATS_BASIC and len(v2) >= 12:
+                                        q["packets"] = struct.unpack_from("=QI", v2)[1]
+                                    elif t2 == TCA_STATS_QUEUE and len(v2) >= 20:
+                                        (q["qlen"], q["backlog"], q["drops"], q["requeues"],
+                                         q["overlimits"]) = struct.unpack_from("=5I", v2)
+                        found = q
+                if ln < 16:
+                    break
+                off += (ln + 3) & ~3
+
+
+def udp_queues(port: int = 4000) -> tuple[int, int]:
+    """(send, receive) queue in bytes of the UDP socket bound to port
+    (/proc/net/udp tx_queue:rx_queue = sk_wmem_alloc, sk_rmem_alloc)."""
+    with open("/proc/net/udp") as f:
+        for line in f.readlines()[1:]:
+            p = line.split()
+            if int(p[1].split(":")[1], 16) == port:
+                tx, rx = p[4].split(":")
+                return int(tx, 16), int(rx, 16)
+    return 0, 0
+
+
+# --- mechanism counters and the guest clock ------------------------------------
+SIOCETHTOOL = 0x8946
+ETHTOOL_GDRVINFO, ETHTOOL_GSTRINGS, ETHTOOL_GSTATS, ETH_SS_STATS = 0x03, 0x1B, 0x1D, 1
+ETH_GSTRING_LEN = 32
+GENL_ID_CTRL, CTRL_CMD_GETFAMILY, CTRL_ATTR_FAMILY_ID, CTRL_ATTR_FAMILY_NAME = 0x10, 3, 1, 2
+NETDEV_CMD_QSTATS_GET, NETDEV_QSTATS_SCOPE_QUEUE = 12, 1
+QSTATS_IFINDEX, QSTATS_QUEUE_TYPE, QSTATS_SCOPE = 1, 2, 4
+QSTATS_TX_STOP, QSTATS_TX_WAKE, QUEUE_TYPE_TX = 33, 34, 1
+USER_HZ = os.sysconf("SC_CLK_TCK")
+
+
+def _ethtool_ioctl(dev: str, buf) -> None:
+    """SIOCETHTOOL on an AF_INET socket of the caller's netns."""
+    addr, _ = buf.buffer_info()
+    ifr = struct.pack("16sP", dev.encode(), addr) + b"\0" * 16
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        fcntl.ioctl(s.fileno(), SIOCETHTOOL, ifr)
+
+
+def ethtool_stats(dev: str) -> dict[str, int]:
+    """`ethtool -S` without the fork (ETHTOOL_GDRVINFO, GSTRINGS, GSTATS);
+    {} when the driver has no statistics."""
+    try:
+        info = array.array("B", struct.pack("I", ETHTOOL_GDRVINFO) + b"\0" * 200)
+        _ethtool_ioctl(dev, info)
+        n = struct.unpack_from("I", info, 180)[0]          # ethtool_drvinfo.n_stats
+        if not n:
+            return {}
+        names = array.array("B", struct.pack("III", ETHTOOL_GSTRINGS, ETH_SS_STATS, n)
+                            + b"\0" * (n * ETH_GSTRING_LEN))
+        _ethtool_ioctl(dev, names)
+        vals = array.array("B", struct.pack("II", ETHTOOL_GSTATS, n) + b"\0" * (8 * n))
+        _ethtool_ioctl(dev, vals)
+    except OSError:
+        return {}
+    raw = names.tobytes()[12:]
+    keys = [raw[i * ETH_GSTRING_LEN:(i + 1) * ETH_GSTRING_LEN].split(b"\0", 1)[0].decode()
+            for i in range(n)]
+    return dict(zip(keys, struct.unpack_from(f"{n}Q", vals, 8)))
+
+
+def _genl(sock, family: int, cmd: int, flags: int, attrs: bytes) -> list[bytes]:
+    """One generic-netlink request; the payloads (after the genl header) of
+    every answer until DONE (dump) or the single answer."""
+    hdr = struct.pack("=BBH", cmd, 1, 0)
+    sock.send(struct.pack("=IHHII", 16 + 4 + len(attrs), family, NLM_F_REQUEST | flags, 1, 0)
+              + hdr + attrs)
+    out = []
+    while True:
+        data = sock.recv(1 << 16)
+        off = 0
+        while off + 16 <= len(data):
+            ln, typ = struct.unpack_from("=IH", data, off)
+            if ln < 16:
+                return out
+            if typ == NLMSG_DONE:
+                return out
+            if typ == NLMSG_ERROR:
+                err = struct.unpack_from("=i", data, off + 16)[0]
+                if err:
+                    raise OSError(-err, os.strerror(-err))
+                return out
+            out.append(data[off + 20:off + ln])
+            off += (ln + 3) & ~3
+        if not flags & NLM_F_DUMP:
+            return out
+
+
+def _nla(typ: int, payload: bytes) -> bytes:
+    a = struct.pack("=HH", 4 + len(payload), typ) + payload
+    return a + b"\0" * (-len(a) % 4)
+
+
+def qstats_tx(dev: str) -> tuple[int, int] | None:
+    """(tx-stop, tx-wake) summed over the device's TX queues from the netdev
+    netlink family's per-queue statistics, or None when this kernel or this
+    driver does not report them."""
+    try:
+        idx = socket.if_nametoindex(dev)
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 16) as s:  # NETLINK_GENERIC
+            fam = None
+            for msg in _genl(s, GENL_ID_CTRL, CTRL_CMD_GETFAMILY, 0,
+                             _nla(CTRL_ATTR_FAMILY_NAME, b"netdev\0")):
+                for t, v in _rtattrs(msg, 0, len(msg)):
+                    if t == CTRL_ATTR_FAMILY_ID:
+                        fam = struct.unpack_from("=H", v)[0]
+            if fam is None:
+                return None
+            msgs = _genl(s, fam, NETDEV_CMD_QSTATS_GET, NLM_F_DUMP,
+                         _nla(QSTATS_IFINDEX, struct.pack("=I", idx))
+                         + _nla(QSTATS_SCOPE, struct.pack("=I", NETDEV_QSTATS_SCOPE_QUEUE)))
+    except OSError:
+        return None
+    stops = wakes = 0
+    seen = False
+    for msg in msgs:
+        a = {t: v for t, v in _rtattrs(msg, 0, len(msg))}
+        if QSTATS_QUEUE_TYPE not in a or struct.unpack_from("=I", a[QSTATS_QUEUE_TYPE])[0] \
+                != QUEUE_TYPE_TX or QSTATS_TX_STOP not in a:
+            continue
+        uint = lambda v: struct.unpack_from("=Q" if len(v) >= 8 else "=I", v)[0]  # noqa: E731
+        stops += uint(a[QSTATS_TX_STOP])
+        wakes += uint(a.get(QSTATS_TX_WAKE, b"\0" * 4))
+        seen = True
+    return (stops, wakes) if seen else None
+
+
+def stops_wakes(dev: str) -> tuple[str | None, int, int]:
+    """Queue stops and wakes of dev, from the first source the kernel has:
+    qstats tx-stop/tx-wake, else ethtool stats named *bp_stops/*bp_wakes
+    (summed over queues). (None, 0, 0) when neither exists."""
+    q = qstats_tx(dev)
+    if q is not None:
+        return "qstats", q[0], q[1]
+    st = ethtool_stats(dev)
+    stops = [v for k, v in st.items() if k.endswith("bp_stops")]
+    if stops:
+        return ("ethtool", sum(stops),
+                sum(v for k, v in st.items() if k.endswith("bp_wakes")))
+    return None, 0, 0
+
+
+def cpu_idle_ns() -> list[int]:
+    """Idle (+ iowait) time per CPU from /proc/stat, in ns of the guest clock."""
+    out = []
+    with open("/proc/stat") as f:
+        for line in f:
+            p = line.split()
+            if p[0].startswith("cpu") and p[0] != "cpu":
+                out.append((int(p[4]) + int(p[5])) * 1_000_000_000 // USER_HZ)
+    return out
+
+
+def mech_snap(dev: str) -> dict:
+    """Counters of dev at one instant (in the caller's netns), for
+    mech_rates(): guest time, per-CPU idle, packets the consumer took from
+    the ring (tx_packets), root qdisc requeues, queue stops/wakes."""
+    st = tl.dev_stats(dev)
+    q = qdisc_counts(dev)
+    src, stops, wakes = stops_wakes(dev)
+    return {"t_ns": time.monotonic_ns(), "idle_ns": cpu_idle_ns(),
+            "tx_packets": st["tx_packets"], "requeues": q.get("requeues", 0),
+            "sw_src": src, "stops": stops, "wakes": wakes}
+
+
+def mech_rates(m0: dict, m1: dict, seconds: float | None = None) -> dict:
+    """Per window: delivered packets, queue stops/wakes and qdisc requeues
+    per 1000 delivered packets (any clock), and guest ns per delivered
+    packet, gns_per_pkt (under icount shift=0: guest instructions, both
+    vCPUs together, upper bound) with gns_per_pkt_lo (the same minus the
+    least idle time of any vCPU: lower bound). `seconds` replaces the
+    window's length for the per-packet cost (iperf3: the transfer only)."""
+    n = m1["tx_packets"] - m0["tx_packets"]
+    t = m1["t_ns"] - m0["t_ns"]
+    idle = min((b - a for a, b in zip(m0["idle_ns"], m1["idle_ns"])), default=0)
+    idle_frac = min(1.0, max(0.0, idle / t)) if t > 0 else 0.0
+    span = seconds * 1e9 if seconds else t
+    out = {"pkts": n, "guest_s": t / 1e9, "idle_min_pct": 100.0 * idle_frac,
+           "requeues_per_kpkt": 1000.0 * (m1["requeues"] - m0["requeues"]) / n if n else None,
+           "gns_per_pkt": span / n if n else None,
+           "gns_per_pkt_lo": span * (1 - idle_frac) / n if n else None,
+           "sw_src": m1["sw_src"]}
+    if m1["sw_src"] and m1["sw_src"] == m0["sw_src"] and n:
+        out["stops_per_kpkt"] = 1000.0 * (m1["stops"] - m0["stops"]) / n
+        out["wakes_per_kpkt"] = 1000.0 * (m1["wakes"] - m0["wakes"]) / n
+    return out
+
+
+# --- configurations ------------------------------------------------------------
+def configs(bp_ok: bool, qlen: int | None = None) -> list[dict]:
+    """stock: no flag, the device's default qdisc; bp: IFF_BACKPRESSURE +
+    fq_codel (default parameters: real AQM), only where the kernel has it."""
+    c = [{"name": "stock", "flag": 0, "qdisc": None, "qlen": qlen}]
+    if bp_ok:
+        c.append({"name": "bp", "flag": BP, "qdisc": "fq_codel", "qlen": qlen})
+    return c
+
+
+def apply_dev(dev: str, cfg: dict) -> str:
+    if cfg.get("qlen"):
+        sh(f"ip link set dev {dev} txqueuelen {cfg['qlen']}")
+    if cfg.get("qdisc"):
+        sh(f"tc qdisc replace dev {dev} root {cfg['qdisc']}")
+    return qdisc_counts(dev)["kind"]
+
+
+# --- the VPN path: tunnel A (nsA) <-UDP over veth-> tunnel B (nsB) -------------
+TUN_A, TUN_B = "172.30.0.1", "172.30.0.2"
+VETH_A, VETH_B = "10.99.0.1", "10.99.0.2"
+
+
+class VPN:
+    def __init__(self, tools: str, cfg: dict, delay_us: int = 0, spin_us: int = 0,
+                 rate_pps: int = 0):
+        self.cfg = cfg
+        self.procs = Procs()
+        self.a, self.b = NS("A"), NS("B")
+        with self.a:
+            sh(f"ip link add va type veth peer name vb netns {self.b.pid}")
+            sh(f"ip addr add {VETH_A}/24 dev va && ip link set va up")
+        with self.b:
+            sh(f"ip addr add {VETH_B}/24 dev vb && ip link set vb up")
+        self.iff = {}
+        for ns, dev, me, peer, lip, pip, slow in (
+                (self.a, "tA", VETH_A, VETH_B, TUN_A, TUN_B, (delay_us, spin_us, rate_pps)),
+                (self.b, "tB", VETH_B, VETH_A, TUN_B, TUN_A, (0, 0, 0))):
+            with ns:
+                argv = [os.path.join(tools, "tunnel"), "--dev", dev, "--flags",
+                        hex(IFF_TUN | IFF_NO_PI | cfg["flag"]),
+                        "--local", f"{me}:4000", "--peer", f"{peer}:4000"]
+                if slow[0]:
+                    argv += ["--delay-us", str(slow[0])]
+                if slow[1]:
+                    argv += ["--spin-us", str(slow[1])]
+                if slow[2]:
+                    argv += ["--rate-pps", str(slow[2])]
+                p = self.procs.spawn(argv)
+                ready = json.loads(p.stdout.readline() or "{}")
+                if ready.get("event") != "ready":
+                    raise RuntimeError(f"tunnel {dev} failed: {p.stderr.read()}")
+                self.iff[dev] = ready["iff"]
+                sh(f"ip link set dev {dev} mtu 1400")
+                sh(f"ip addr add {lip} peer {pip} dev {dev}")
+                sh(f"ip link set dev {dev} up")
+                self.qdisc = apply_dev(dev, cfg)
+        if cfg["flag"] and not self.iff["tA"] & BP:
+            raise RuntimeError("kernel reports backpressure but TUNGETIFF lacks it")
+
+    def reconfigure(self, cfg: dict):
+        """Another configuration with the same TUNSETIFF flags: ring size and
+        root qdisc of both tuns (no qdisc given: back to the default one)."""
+        assert cfg["flag"] == self.cfg["flag"]
+        self.cfg = cfg
+        for ns, dev in ((self.a, "tA"), (self.b, "tB")):
+            with ns:
+                if not cfg.get("qdisc"):
+                    sh(f"tc qdisc del dev {dev} root", check=False)
+                self.qdisc = apply_dev(dev, cfg)
+
+    def iperf_server(self, port: int = 5201) -> subprocess.Popen:
+        """One iperf3 server per VPN (nsB), reused by every test."""
+        srv = getattr(self, "_srv", None)
+        if srv is not None and srv.poll() is None:
+            return srv
+        with self.b:
+            srv = self._srv = self.procs.spawn(["iperf3", "-s", "-B", TUN_B, "-p", str(port)])
+            for _ in range(400):
+                if f":{port}" in sh("ss -ltnH", check=False):
+                    break
+                time.sleep(0.05)
+        return srv
+
+    def set_qlen(self, qlen: int):
+        for ns, dev in ((self.a, "tA"), (self.b, "tB")):
+            with ns:
+                sh(f"ip link set dev {dev} txqueuelen {qlen}")
+
+    def set_netem(self, delay_ms: int = 0, rate: str | None = None):
+        with self.a:
+            if not delay_ms and not rate:
+                sh("tc qdisc del dev va root", check=False)
+                return
+            spec = f"netem delay {delay_ms}ms limit 100000"
+            if rate:
+                spec += f" rate {rate}"
+            sh(f"tc qdisc replace dev va root {spec}")
+
+    def counters(self) -> dict:
+        with self.a:
+            s = tl.dev_stats("tA")
+            q = qdisc_counts("tA")
+            m = mech_snap("tA")
+        return {"tx_dropped": s["tx_dropped"], "tx_packets": s["tx_packets"],
+                "qdisc_drops": q["drops"], "qdisc_sent": q["packets"],
+                "qdisc_qlen": q["qlen"], "mech": m}
+
+    def probe(self) -> dict:
+        """Where packets wait, per side, without forking: root qdisc backlog,
+        packets in the tun ring (qdisc sent - read by the tunnel - ring
+        drops: a difference against an idle probe gives the occupancy),
+        and the tunnel's UDP socket queues in bytes."""
+        out = {"t": time.monotonic()}
+        for ns, dev, side in ((self.a, "tA", "A"), (self.b, "tB", "B")):
+            with ns:
+                q = nl_root_qdisc(dev)
+                st = tl.dev_stats(dev)
+                utx, urx = udp_queues()
+            out[side] = {"q_pkts": q.get("qlen", 0), "read": st["tx_packets"],
+                         "ring_x": q.get("packets", 0) - st["tx_packets"] - st["tx_dropped"],
+                         "udp_tx": utx, "udp_rx": urx}
+        return out
+
+    def drain_all(self, timeout: float = 20):
+        """Until tA's qdisc is empty and tunnel A has read nothing for
+        0.2 s (then its ring is empty too: a reader with packets waiting
+        reads far more often than that, even when rate-limited)."""
+        end = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < end:
+            p = self.probe()["A"]
+            if last is not None and not p["q_pkts"] and p["read"] == last:
+                return
+            last = p["read"]
+            time.sleep(0.2)
+
+    def drain(self, timeout: float = 20):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self.a:
+                if not qdisc_counts("tA")["qlen"]:
+                    return
+            time.sleep(0.1)
+
+    def close(self):
+        self.procs.close()
+        self.a.close()
+        self.b.close()
+
+
+def delta(c0: dict, c1: dict, seconds: float | None = None) -> dict:
+    """Drops of tA between two VPN.counters(), and its mechanism rates."""
+    out = {k: c1[k] - c0[k] for k in ("tx_dropped", "qdisc_drops")}
+    out.update(mech_rates(c0["mech"], c1["mech"], seconds))
+    return out
+
+
+def isec(d: float) -> int:
+    """iperf3 -t takes whole seconds (3.12 parses it with atoi)."""
+    return max(1, int(round(d)))
+
+
+def iperf_start(vpn: VPN, duration: float, streams: int = 1, port: int = 5201):
+    """Start server (nsB) and client (nsA); no threads: setns and /proc/net
+    are per thread / per thread-group leader."""
+    srv = vpn.iperf_server(port)
+    c0 = vpn.counters()
+    with vpn.a:
+        cli = vpn.procs.spawn(["iperf3", "-c", TUN_B, "-p", str(port), "-t",
+                               str(isec(duration)), "-P", str(streams), "-J"])
+    return srv, cli, c0, duration
+
+
+def iperf_finish(vpn: VPN, h) -> dict:
+    srv, cli, c0, duration = h
+    try:
+        stdout, stderr = cli.communicate(timeout=duration * 10 + 120)
+    except subprocess.TimeoutExpired:
+        cli.kill()
+        stdout, stderr = cli.communicate()
+    c1 = vpn.counters()
+    try:
+        end = json.loads(stdout)["end"]
+        out = {"mbps": end["sum_received"]["bits_per_second"] / 1e6,
+               "mbps_sent": end["sum_sent"]["bits_per_second"] / 1e6,
+               "retransmits": end["sum_sent"].get("retransmits", 0),
+               "transfer_s": end["sum_received"].get("seconds")}
+    except Exception as e:  # noqa: BLE001
+        out = {"error": f"iperf3 rc={cli.returncode} {e}: {stdout[-300:]} {stderr[-300:]}"}
+    # per-packet cost over the transfer (guest seconds iperf3 measured), not
+    # over the window with process start and control exchange
+    out.update(delta(c0, c1, out.get("transfer_s")))
+    return out
+
+
+def iperf(vpn: VPN, duration: float, streams: int = 1) -> dict:
+    return iperf_finish(vpn, iperf_start(vpn, duration, streams))
+
+
+
+
+# --- pktgen ------------------------------------------------------------------------
+def pg_write(path: str, cmd: str) -> None:
+    with open(path, "w") as f:
+        f.write(cmd + "\n")
+
+
+def pg_counts(path: str) -> tuple[int, int]:
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line.startswith("pkts-sofar:"):
+                parts = line.replace(":", " ").split()
+                return int(parts[1]), int(parts[3])
+    return 0, 0
+
+
+def pktgen_available() -> str | None:
+    """None when /proc/net/pktgen is there, else why not."""
+    if not os.path.isdir(PG):
+        subprocess.run(["modprobe", "pktgen"], capture_output=True, check=False)
+    return None if os.path.isdir(PG) else "no /proc/net/pktgen in this kernel"
+
+
+def pktgen_setup(dev: str, threads: int, mode: str, udp_dst: tuple[int, int] = (9, 9)) \
+        -> list[str] | None:
+    """64-byte UDP frames to tunlib's peer on dev, `count 0` (until stopped),
+    one device per kernel thread; the /proc paths of the devices, None when
+    the kernel has fewer pktgen threads than asked for."""
+    ths = sorted(n for n in os.listdir(PG) if n.startswith("kpktgend_"))[:threads]
+    if len(ths) < threads:
+        return None
+    devs = []
+    for i, th in enumerate(ths):
+        pg_write(f"{PG}/{th}", "rem_device_all")
+        name = dev if threads == 1 else f"{dev}@{i}"
+        pg_write(f"{PG}/{th}", f"add_device {name}")
+        dp = f"{PG}/{name}"
+        for c in ("count 0", "pkt_size 64", "clone_skb 0", "burst 1",
+                  "delay 0", f"xmit_mode {mode}", f"dst {tl.PEER_IP}",
+                  f"src_min {tl.LOCAL_IP}", f"src_max {tl.LOCAL_IP}",
+                  f"dst_mac {tl.PEER_MAC}", f"udp_dst_min {udp_dst[0]}",
+                  f"udp_dst_max {udp_dst[1]}"):
+            pg_write(dp, c)
+        devs.append(dp)
+    return devs
+
+
+def pktgen_reps(dev: str, devs: list[str], snap, reps: int, duration: float,
+                warmup: float) -> list[dict]:
+    """`reps` windows of `duration` s after `warmup` s of pktgen: every
+    numeric field of snap() as a rate (<name>_per_s); snap()'s "mech" (a
+    mech_snap) as mech_rates(); the ring and qdisc drained between reps."""
+    out = []
+    for _ in range(reps):
+        start = subprocess.Popen(["sh", "-c", f"echo start > {PG}/pgctrl"])
+        time.sleep(warmup)
+        s0 = snap()
+        time.sleep(duration)
+        s1 = snap()
+        pg_write(f"{PG}/pgctrl", "stop")
+        start.wait(timeout=120)
+        dt = (s1["mech"]["t_ns"] - s0["mech"]["t_ns"]) / 1e9
+        rep = {k + "_per_s": (s1[k] - s0[k]) / dt for k in s1
+               if isinstance(s1[k], (int, float)) and k != "bad"}
+        rep["seconds"] = dt
+        rep["bad"] = s1.get("bad", 0)
+        rep.update(mech_rates(s0["mech"], s1["mech"]))
+        out.append(rep)
+        t_end = time.monotonic() + 30
+        while time.monotonic() < t_end and qdisc_counts(dev)["qlen"]:
+            time.sleep(0.2)
+    return out
+
+
+def pktgen_point(tools: str, cfg: dict, threads: int, mode: str, vnet: bool,
+                 reps: int, duration: float, warmup: float,
+                 consumer: str = "tunreader") -> dict:
+    """One point of s1/s2: tap pg0 (ring 500) in its own netns, read by
+    tunreader (plain or with a 12-byte vnet header) or vhostrx."""
+    ns = NS("pg")
+    procs = Procs()
+    point = {"config": cfg["name"], "threads": threads, "xmit_mode": mode,
+             "reader": "vnet_hdr" if vnet else "plain", "reps": []}
+    try:
+        with ns:
+            flags = IFF_TAP | IFF_NO_PI | cfg["flag"] | (IFF_VNET_HDR if vnet else 0)
+            argv = [os.path.join(tools, consumer), "--dev", "pg0", "--flags", hex(flags)]
+            if consumer == "tunreader":
+                argv += ["--tap"] + (["--vnet-hdr", "12"] if vnet else [])
+            reader = tl.Reader(procs.spawn(argv, text=False), "pg0")
+            tl.setup_ip("pg0", tap=True, txqueuelen=cfg.get("qlen") or 500)
+            point["qdisc"] = apply_dev("pg0", cfg)
+            devs = pktgen_setup("pg0", threads, mode)
+            if devs is None:
+                point["error"] = f"fewer than {threads} pktgen threads"
+                return point
+
+            def snap():
+                r = reader.stat()
+                s = tl.dev_stats("pg0")
+                pg = [pg_counts(d) for d in devs]
+                return {"recv": r["pkts"], "tx_dropped": s["tx_dropped"],
+                        "qdisc_drops": qdisc_counts("pg0")["drops"],
+                        "pg_sent": sum(x[0] for x in pg),
+                        "pg_errors": sum(x[1] for x in pg), "bad": r["bad"],
+                        "mech": mech_snap("pg0")}
+            point["reps"] = pktgen_reps("pg0", devs, snap, reps, duration, warmup)
+            reader.quit()
+    finally:
+        procs.close()
+        ns.close()
+    return point
+
+
+# --- summaries and the run context ---------------------------------------------------
+def summ(reps: list[dict], key: str) -> str:
+    v = [r[key] for r in reps if isinstance(r.get(key), (int, float))]
+    if not v:
+        return "-"
+    m = statistics.median(v)
+    return f"{m:.4g}" if len(v) == 1 else f"{m:.4g} [{min(v):.4g}..{max(v):.4g}]"
+
+
+def pct(vals: list[float], p: float) -> float | None:
+    if not vals:
+        return None
+    v = sorted(vals)
+    return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
+
+
+def say_pktgen(tag: str, pt: dict) -> None:
+    r = pt["reps"]
+    say(f"   {tag}: recv {summ(r, 'recv_per_s')} pps, ring drops "
+        f"{summ(r, 'tx_dropped_per_s')}/s, qdisc drops {summ(r, 'qdisc_drops_per_s')}/s, "
+        f"guest ns/pkt {summ(r, 'gns_per_pkt')}, stops/kpkt {summ(r, 'stops_per_kpkt')}, "
+        f"requeues/kpkt {summ(r, 'requeues_per_kpkt')}")
+
+
+class Ctx:
+    """What every scenario gets: QUICK, REPS, DURATION override, tools
+    directory, and whether the kernel has IFF_BACKPRESSURE."""
+
+    def __init__(self, quick: bool, reps: int, duration: float, tools: str):
+        self.quick = quick
+        self.reps = reps
+        self.duration = duration
+        self.tools = tools
+        self.bp = tl.has_backpressure()
+
+    def dur(self, full: float, quick: float) -> float:
+        if self.duration:
+            return self.duration
+        return quick if self.quick else full

@@ -1,0 +1,31 @@
+"""Scenario 1: pktgen -> TAP, user-space reader (tools/tunreader)."""
+
+from __future__ import annotations
+
+from .common import configs, pktgen_available, pktgen_point, say, say_pktgen
+
+KEY, NAME = "1", "s1_pktgen_tap"
+
+
+def run(ctx) -> dict:
+    res = {"scenario": NAME, "title": "pktgen -> TAP, user-space reader", "points": []}
+    why = pktgen_available()
+    if why:
+        res["skipped"] = why
+        return res
+    d = ctx.dur(1.5, 1.0)
+    # (threads, xmit_mode, vnet_hdr reader)
+    cases = [(1, "queue_xmit", False), (2, "start_xmit", False)]
+    if not ctx.quick:
+        cases = [(1, "queue_xmit", False), (1, "queue_xmit", True),
+                 (2, "queue_xmit", False), (2, "start_xmit", False),
+                 (2, "queue_xmit", True), (2, "start_xmit", True)]
+    res["params"] = {"duration_s": d, "pkt_size": 64, "txqueuelen": 500, "cases": cases}
+    for cfg in configs(ctx.bp):
+        for threads, mode, vnet in cases:
+            tag = f"s1 {cfg['name']} threads={threads} {mode} vnet={vnet}"
+            say(tag)
+            pt = pktgen_point(ctx.tools, cfg, threads, mode, vnet, ctx.reps, d, 0.3)
+            say_pktgen(tag, pt)
+            res["points"].append(pt)
+    return res
