@@ -4,7 +4,7 @@ Everything here runs inside the guest, Python 3.11 stdlib only:
 network namespaces held by a process, background processes, the VPN path
 (two `tools/tunnel` ends over a veth), iperf3, pktgen, the stock/bp
 configurations, and the counters the scenarios read in-process (rtnetlink
-qdisc stats, ethtool stats ioctl, netdev-netlink qstats, /proc): a fork+exec
+qdisc stats, ethtool stats ioctl, tunlib.qstats, /proc): a fork+exec
 of tc/ss/ethtool costs about half a second under TCG.
 
 Clock-independent mechanism counters (`mech_snap`/`mech_rates`): queue
@@ -223,8 +223,6 @@ def udp_queues(port: int = 4000) -> tuple[int, int]:
 SIOCETHTOOL = 0x8946
 ETHTOOL_GDRVINFO, ETHTOOL_GSTRINGS, ETHTOOL_GSTATS, ETH_SS_STATS = 0x03, 0x1B, 0x1D, 1
 ETH_GSTRING_LEN = 32
-GENL_ID_CTRL, CTRL_CMD_GETFAMILY, CTRL_ATTR_FAMILY_ID, CTRL_ATTR_FAMILY_NAME = 0x10, 3, 1, 2
-NETDEV_CMD_QSTATS_GET, QSTATS_IFINDEX, QSTATS_TX_STOP, QSTATS_TX_WAKE = 12, 1, 33, 34
 USER_HZ = os.sysconf("SC_CLK_TCK")
 
 
@@ -258,79 +256,16 @@ def ethtool_stats(dev: str) -> dict[str, int]:
     return dict(zip(keys, struct.unpack_from(f"{n}Q", vals, 8)))
 
 
-def _genl(sock, family: int, cmd: int, flags: int, attrs: bytes) -> list[bytes]:
-    """One generic-netlink request; the payloads (after the genl header) of
-    every answer until DONE (dump) or the single answer."""
-    hdr = struct.pack("=BBH", cmd, 1, 0)
-    sock.send(struct.pack("=IHHII", 16 + 4 + len(attrs), family, NLM_F_REQUEST | flags, 1, 0)
-              + hdr + attrs)
-    out = []
-    while True:
-        data = sock.recv(1 << 16)
-        off = 0
-        while off + 16 <= len(data):
-            ln, typ = struct.unpack_from("=IH", data, off)
-            if ln < 16:
-                return out
-            if typ == NLMSG_DONE:
-                return out
-            if typ == NLMSG_ERROR:
-                err = struct.unpack_from("=i", data, off + 16)[0]
-                if err:
-                    raise OSError(-err, os.strerror(-err))
-                return out
-            out.append(data[off + 20:off + ln])
-            off += (ln + 3) & ~3
-        if not flags & NLM_F_DUMP:
-            return out
-
-
-def _nla(typ: int, payload: bytes) -> bytes:
-    a = struct.pack("=HH", 4 + len(payload), typ) + payload
-    return a + b"\0" * (-len(a) % 4)
-
-
-def qstats_tx(dev: str) -> tuple[int, int] | None:
-    """(tx-stop, tx-wake) of the device from the netdev netlink family's
-    qstats (device scope: the queues plus what the driver keeps for queues
-    gone since), or None when this kernel or this driver does not report
-    them."""
-    try:
-        idx = socket.if_nametoindex(dev)
-        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 16) as s:  # NETLINK_GENERIC
-            fam = None
-            for msg in _genl(s, GENL_ID_CTRL, CTRL_CMD_GETFAMILY, 0,
-                             _nla(CTRL_ATTR_FAMILY_NAME, b"netdev\0")):
-                for t, v in _rtattrs(msg, 0, len(msg)):
-                    if t == CTRL_ATTR_FAMILY_ID:
-                        fam = struct.unpack_from("=H", v)[0]
-            if fam is None:
-                return None
-            msgs = _genl(s, fam, NETDEV_CMD_QSTATS_GET, NLM_F_DUMP,
-                         _nla(QSTATS_IFINDEX, struct.pack("=I", idx)))
-    except OSError:
-        return None
-    stops = wakes = 0
-    seen = False
-    for msg in msgs:
-        a = {t: v for t, v in _rtattrs(msg, 0, len(msg))}
-        if QSTATS_TX_STOP not in a:
-            continue
-        uint = lambda v: struct.unpack_from("=Q" if len(v) >= 8 else "=I", v)[0]  # noqa: E731
-        stops += uint(a[QSTATS_TX_STOP])
-        wakes += uint(a.get(QSTATS_TX_WAKE, b"\0" * 4))
-        seen = True
-    return (stops, wakes) if seen else None
-
-
 def stops_wakes(dev: str) -> tuple[str | None, int, int]:
     """Queue stops and wakes of dev, from the first source the kernel has:
     qstats tx-stop/tx-wake, else ethtool stats named *bp_stops/*bp_wakes
     (summed over queues; an earlier version of our series). (None, 0, 0)
     when neither exists (stock 6.12, mainline 7.3)."""
-    q = qstats_tx(dev)
+    # tunlib.qstats: the netdev family's qstats-get, device scope in "total"
+    # (queues gone since included); None when the driver reports none
+    q = tl.qstats(dev) if hasattr(tl, "qstats") else None
     if q is not None:
-        return "qstats", q[0], q[1]
+        return "qstats", q["total"]["stop"], q["total"]["wake"]
     st = ethtool_stats(dev)
     stops = [v for k, v in st.items() if k.endswith("bp_stops")]
     if stops:
