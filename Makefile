@@ -9,11 +9,12 @@
 #                                  (REBUILD=1: run make even if up to date)
 #   make run FLAVOR=stock-6.12 CMD='ip -s link'
 #   make tools | deps | fetch | flavors | kvm
+#   make dkms | package            nodrop-dkms source tree / .deb in dist/ (docs/dkms.md)
 
 PYTHON ?= python3
 LAB = PYTHONPATH=$(CURDIR)/lab PYTHONDONTWRITEBYTECODE=1 $(PYTHON) -m nodroplab
 
-.PHONY: test chaos bench kernel run tools deps fetch flavors kvm help
+.PHONY: test chaos bench kernel run tools deps fetch flavors kvm dkms package help
 
 # $(call sq,VAR): VAR's unexpanded text as one single-quoted shell word, so
 # CMD='ip -s link show; echo $$HOME' reaches the guest shell untouched.
@@ -36,8 +37,8 @@ run:
 	@test -n '$(FLAVOR)' || { echo "usage: make run FLAVOR=<flavor> CMD='<shell command>'" >&2; exit 2; }
 	@$(LAB) run $(call sq,FLAVOR) -- $(call sq,CMD)
 
-tools deps fetch flavors kvm:
+tools deps fetch flavors kvm dkms package:
 	@$(LAB) $@
 
 help:
-	@sed -n '1,12p' Makefile
+	@sed -n '1,13p' Makefile

@@ -1,6 +1,7 @@
 """NODROP lab orchestrator: `python3 -m nodroplab <command>` (PYTHONPATH=lab).
 
-Commands: deps, fetch, kernel, run, test, chaos, bench, tools, flavors, kvm.
+Commands: deps, fetch, kernel, run, test, chaos, bench, tools, flavors, kvm,
+dkms, package (docs/dkms.md).
 Environment: NODROP_CACHE (default ~/.cache/nodrop), NODROP_JOBS (make -j),
 NODROP_KVM (auto|0|1), NODROP_TIMEOUT (guest command timeout, s),
 NODROP_PYTHON (interpreter for vng and the in-guest pytest).
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("tools", help="make -C tools OUT=<repo>/tools/build")
     sub.add_parser("flavors", help="list the flavors of lab/flavors.toml")
     sub.add_parser("kvm", help="probe whether QEMU can use KVM here")
+    sub.add_parser("dkms", help="generate the nodrop-dkms source tree from the pristine "
+                                "source + series; prints its path")
+    sub.add_parser("package", help="generate and build the nodrop-dkms .deb (dist/); "
+                                   "prints its path")
     a = ap.parse_args(argv)
 
     mx = load()
@@ -70,6 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         out = build_tools()
         if out:
             print(out)
+        return 0
+    if a.cmd in ("dkms", "package"):
+        from . import dkms as dkms_mod
+        require_root()
+        deps_mod.ensure_apt(["xz-utils", *deps_mod.PACKAGE_APT])
+        sp = dkms_mod.spec(mx)
+        print(dkms_mod.generate(sp) / "src" if a.cmd == "dkms" else dkms_mod.package(sp))
         return 0
     if a.cmd == "fetch":
         fls = _flavors(mx, a.flavors, list(mx.flavors))

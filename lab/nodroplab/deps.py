@@ -22,6 +22,12 @@ APT_PACKAGES = [
     "python3-pip",
 ]
 
+# `make dkms` / `make package` / the debian-* root-filesystem flavors
+# (docs/dkms.md): Debian's packaging tools and debootstrap. Only installed
+# by those commands.
+PACKAGE_APT = ["debhelper", "dh-dkms", "dpkg-dev", "debootstrap",
+               "debian-archive-keyring", "git"]
+
 # Host-side Python packages of the benchmark report (plots)
 BENCH_REQUIREMENTS = Path(__file__).resolve().parents[2] / "bench" / "requirements.txt"
 
