@@ -13,7 +13,9 @@ tools/vhostrx (vhost-net RX), each on its own queue.
 
 Checks, after the chaos stops:
   * ring_drops  - tx_dropped did not move during any steady window in which
-                  backpressure was on (TUNGETIFF), the root qdisc was not
+                  backpressure was on (the program's IFF_BACKPRESSURE, as
+                  TUNGETIFF reports it, or the operator's private flag, as
+                  this run last set it), the root qdisc was not
                   noqueue, the link was up and a queue was attached
   * drain       - with everything resumed and attached, the qdisc backlog and
                   the consumers go quiet (no stall: see tunlib.wait_backlog_zero)
@@ -117,7 +119,8 @@ class Chaos:
         self.flags = BASE_FLAGS | self.env.bp_flag()
         self.slots: list[Slot] = []
         self.senders: list[tl.Sender] = []
-        self.privflag = False
+        self.privflag = False           # the device has the operator switch
+        self.admin_on = False           # ... and this run last switched it on
         self.link_up = True
         self.qdisc_kind = "fq_codel"    # what the kernel reports after the last swap
         self.events: list[dict] = []
@@ -128,12 +131,13 @@ class Chaos:
 
     # --- device and consumers -------------------------------------------------
     def open_slot(self, s: Slot) -> None:
-        # A new queue asks for what the device has now (the priv flag may have
-        # changed it): asking for IFF_BACKPRESSURE on a device whose other
-        # queues run without it is -EINVAL by design (docs/operator.md).
+        # A new queue of a device that has queues asks for what the device
+        # has (TUNGETIFF): as on mainline, a multi-queue device keeps the
+        # IFF_BACKPRESSURE its first queue set.  The operator switch is a
+        # separate bit and does not change what TUNGETIFF reports.
         flags = self.flags
         if any(o.tun is not None for o in self.slots):
-            flags = BASE_FLAGS | (tl.IFF_BACKPRESSURE if self.kernel_bp() else 0)
+            flags = BASE_FLAGS | (tl.IFF_BACKPRESSURE if self.program_bp() else 0)
         s.tun = self.env.tun(DEV, flags)
         label = f"q{s.idx}-{s.kind}"
         if s.kind == "vhost":
@@ -155,11 +159,16 @@ class Chaos:
             self.env.tuns.remove(s.tun)
             s.tun = None
 
-    def kernel_bp(self) -> bool:
+    def program_bp(self) -> bool:
+        """IFF_BACKPRESSURE as TUNGETIFF reports it (the programs' bit)."""
         for s in self.slots:
             if s.tun is not None:
                 return bool(s.tun.get_iff() & tl.IFF_BACKPRESSURE)
         return False
+
+    def kernel_bp(self) -> bool:
+        """Backpressure in effect: the programs' bit or the operator's."""
+        return self.program_bp() or self.admin_on
 
     def setup(self) -> None:
         kinds = ["tun", "tun"] + (["vhost"] if self.vhost else [])
@@ -299,19 +308,22 @@ class Chaos:
         for s in self.slots:
             self.open_slot(s)
         return f"reopen all {'with' if want else 'without'} IFF_BACKPRESSURE " \
-               f"-> kernel says {'on' if self.kernel_bp() else 'off'}"
+               f"-> TUNGETIFF says {'on' if self.program_bp() else 'off'}" \
+               f"{', operator switch on' if self.admin_on else ''}"
 
     def a_privflag(self) -> str:
         """ethtool priv flag: switch backpressure over; half of the time
         switch it back after 0-1 s (run-time toggles with traffic in flight)."""
         if not self.privflag:
             return self.a_flag_reopen()
-        on = not self.kernel_bp()
+        on = not self.admin_on
         tl.set_priv_flag(DEV, "backpressure", on)
+        self.admin_on = on
         if self.rng.random() < 0.5:
             back_s = self.rng.uniform(0.0, 1.0)
             time.sleep(back_s)
             tl.set_priv_flag(DEV, "backpressure", not on)
+            self.admin_on = not on
             return f"ethtool priv flag backpressure {'on' if on else 'off'} for " \
                    f"{back_s:.2f}s, then {'off' if on else 'on'}"
         return f"ethtool priv flag backpressure {'on' if on else 'off'}"

@@ -20,6 +20,7 @@ queue, be down, or have no qdisc); they are printed, not asserted.
 
 from __future__ import annotations
 
+import json
 import time
 
 from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TUN, log, qsummary,
@@ -159,6 +160,42 @@ def test_lifecycle_txqueuelen(env, record_property):
     for qlen in (64, 8, 1000, RING):
         sh(f"ip link set dev {dev} txqueuelen {qlen}")
         progress(env, dev, [reader], f"txqueuelen {qlen}")
+    finish(env, dev, [reader], load, record_property)
+
+
+# txqueuelen values at and beyond every bound: 0 and 1 (the smallest stop
+# level), the core's maximum (S16_MAX) and values it must refuse, up to
+# UINT_MAX (the ring size computed from them must not overflow)
+EXTREME_QLEN = (0, 1, 2, 32767, 32768, 65535, 2**31 - 1, 2**32 - 1)
+
+
+def test_lifecycle_txqueuelen_extremes(env, record_property):
+    """Extreme txqueuelen values under load: each is accepted or refused as
+    the core decides (dev_change_tx_queue_len() refuses > S16_MAX on every
+    kernel), and traffic keeps flowing after each, then drains, and a fresh
+    burst is delivered. A ring of 0 slots carries nothing on a kernel
+    without backpressure, so there the value 0 is only recorded."""
+    t = env.tun("ndlc5", IFF_TUN | IFF_NO_PI | env.bp_flag())
+    dev = t.name
+    setup_ip(dev, tap=False, txqueuelen=RING)
+    set_fq_codel(dev)
+    reader = env.reader(t, delay_us=READER_DELAY_US)
+    load = start_load(env)
+    progress(env, dev, [reader], "load start", 200)
+    seen = {}
+    for qlen in EXTREME_QLEN:
+        r = sh(f"ip link set dev {dev} txqueuelen {qlen}", check=False)
+        now = json.loads(sh(f"ip -j link show dev {dev}").stdout)[0].get("txqlen", 0)
+        seen[qlen] = "accepted" if r.returncode == 0 else "refused"
+        log(f"txqueuelen {qlen}: {seen[qlen]} (rc={r.returncode} "
+            f"{r.stderr.strip()!r}), now {now}")
+        assert (r.returncode == 0) == (qlen <= 32767), \
+            f"txqueuelen {qlen}: {seen[qlen]}, the core allows 0..32767"
+        if qlen == 0 and not env.bp:
+            continue
+        progress(env, dev, [reader], f"txqueuelen {qlen} ({seen[qlen]})")
+    sh(f"ip link set dev {dev} txqueuelen {RING}")
+    record_property("txqueuelen", seen)
     finish(env, dev, [reader], load, record_property)
 
 

@@ -21,8 +21,10 @@ from __future__ import annotations
 import select
 import time
 
+import pytest
+
 from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TUN, PEER_IP, UDP_PORT,
-                    log, probe_payload, qdisc_by_parent, qsummary,
+                    has_priv_flag, log, probe_payload, qdisc_by_parent, qdisc_totals, qsummary,
                     read_all_nonblocking, set_fq_codel, setup_ip, sh,
                     tx_dropped, udp_socket_from, wait_backlog_zero)
 
@@ -125,3 +127,115 @@ def test_multiqueue(env, record_property):
     assert ra["per_id"][1] == expect_a, final
     assert ra["per_id"][2] == 0, f"flow B leaked to queue 0; {final}"
     assert tx_dropped(dev) - d0 == drops_a + drops_b, final
+
+
+DETACH_N = 200
+
+
+def test_multiqueue_detach_backlog(env, record_property):
+    """What a queue detach does to the packets the qdisc holds: the core
+    resets the qdisc of every queue index that goes away
+    (qdisc_reset_all_tx_gt()). With a single root qdisc that is the one
+    qdisc of every queue, so the whole backlog goes; with `mq` only the
+    child of the highest index. Both queues' readers are paused and each
+    queue gets a burst, then queue 1 detaches (TUNSETQUEUE); queue 0 then
+    drains what is left, without a stall."""
+    flags = IFF_TUN | IFF_NO_PI | IFF_MULTI_QUEUE | env.bp_flag()
+    q0 = env.tun("ndmq1", flags)
+    q1 = env.tun("ndmq1", flags)
+    dev = q0.name
+    setup_ip(dev, tap=False)
+    q0.set_nonblocking()
+    q1.set_nonblocking()
+    ports = _probe(q0, q1)
+    sh(f"ip link set dev {dev} txqueuelen {RING}")
+    results = {}
+    for root in ("fq_codel", "mq"):
+        if root == "mq":
+            sh(f"tc qdisc replace dev {dev} root handle 1: mq")
+            set_fq_codel(dev, parent="1:1")
+            set_fq_codel(dev, parent="1:2")
+        else:
+            set_fq_codel(dev)
+        r0 = env.reader(q0, paused=True, label=f"queue0-{root}")
+        for ident, q in ((1, 0), (2, 1)):
+            s = env.burst(DETACH_N, ident=ident, sport=ports[q], sndbuf=SNDBUF)
+            assert s["ok"] == DETACH_N, s
+        before = qdisc_totals(dev)
+        q1.set_queue(False)
+        after = qdisc_totals(dev)
+        child0 = qdisc_by_parent(dev, "1:1")["qlen"] if root == "mq" else None
+        results[root] = {"backlog_before": before["qlen"],
+                         "backlog_after": after["qlen"], "queue0_child": child0}
+        log(f"[{root} bp={env.bp}] detach queue 1: qdisc backlog "
+            f"{before['qlen']}p -> {after['qlen']}p (queue 0 child: {child0})")
+        r0.go()
+        wait_backlog_zero(dev)
+        kept = r0.wait("id1", DETACH_N, stall_s=3)["per_id"][1]
+        results[root]["queue0_read"] = kept
+        log(f"[{root}] queue 0 read {kept} of its {DETACH_N} after the detach")
+        if env.bp:
+            # a single root qdisc may also hold queue 1's packets behind a
+            # head-of-line packet for stopped queue 0: only mq is exact
+            assert before["qlen"] >= DETACH_N - RING, results[root]
+            if root == "mq":
+                assert before["qlen"] == 2 * (DETACH_N - RING), results[root]
+                # queue 0's backlog survives; queue 1's child was reset
+                assert after["qlen"] == DETACH_N - RING == child0, results[root]
+                assert kept == DETACH_N, f"queue 0 lost packets: {results[root]}"
+            else:
+                # the single root qdisc was reset: every queue's backlog went
+                assert after["qlen"] == 0, results[root]
+                assert kept == RING, f"queue 0 kept more than its ring: {results[root]}"
+        r0.quit()
+        q1.set_queue(True)
+        read_all_nonblocking(q0.fd)
+        read_all_nonblocking(q1.fd)
+    record_property("detach", results)
+
+
+def test_multiqueue_detach_remap(env, record_property):
+    """Detaching queue 0 moves queue 1's ring to index 0 (__tun_detach()).
+    Queue 1's reader is paused, so its ring is full and its queue stopped,
+    while queue 0 keeps running under a continuous load. At the detach, index
+    0's queue is awake but now feeds a full ring: the producers must find
+    room beyond the stop level and stop the queue, not drop. Afterwards the
+    ring drains and a fresh burst arrives complete."""
+    flags = IFF_TUN | IFF_NO_PI | IFF_MULTI_QUEUE | env.bp_flag()
+    q0 = env.tun("ndmq2", flags)
+    q1 = env.tun("ndmq2", flags)
+    dev = q0.name
+    setup_ip(dev, tap=False)
+    q0.set_nonblocking()
+    q1.set_nonblocking()
+    ports = _probe(q0, q1)
+    sh(f"ip link set dev {dev} txqueuelen {RING}")
+    set_fq_codel(dev)
+    r0 = env.reader(q0, label="queue0")
+    r1 = env.reader(q1, paused=True, label="queue1")
+    s = env.burst(N, ident=1, sport=ports[1], sndbuf=SNDBUF)
+    assert s["ok"] == N, s
+    d0 = tx_dropped(dev)
+    load = env.sender(0, ident=2, sport=ports[0], pps=2000, label="load")
+    r0.wait("id2", 200, stall_s=60)
+    q0.set_queue(False)
+    after = load.stop()
+    drops = tx_dropped(dev) - d0
+    log(f"[bp={env.bp}] detach of queue 0 under load ({after}): tx_dropped {drops}, "
+        f"qdisc {qsummary(qdisc_totals(dev))}")
+    r0.quit()
+    r1.go()
+    wait_backlog_zero(dev)
+    base = r1.stat()["per_id"][3]
+    f = env.burst(100, ident=3, sndbuf=SNDBUF)
+    assert f["ok"] == 100, f
+    got = r1.wait("id3", base + 100, stall_s=60)["per_id"][3] - base
+    summary = f"[bp={env.bp}] ring drops at the remap: {drops}; fresh burst {got}/100"
+    log(summary)
+    record_property("remap_drops", drops)
+    assert got == 100, f"STALL or loss after the remap: {summary}"
+    if env.bp and drops and not has_priv_flag(dev, "backpressure"):
+        pytest.xfail(f"RECORDED: a backpressure kernel without our reserve "
+                     f"dropped at the remap; {summary}")
+    if env.bp:
+        assert drops == 0, f"ring drops at the remap: {summary}"

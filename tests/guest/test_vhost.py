@@ -54,7 +54,7 @@ import pytest
 
 from test_lifecycle import counts, quiesce, wait_total
 from tunlib import (IFF_BACKPRESSURE, IFF_NO_PI, IFF_TAP, IFF_VNET_HDR, VhostRx,
-                    cpus, ethtool_stats, log, qdisc_totals, qsummary, root_qdisc,
+                    cpus, log, qdisc_totals, qstats, qsummary, root_qdisc,
                     set_fq_codel, set_qdisc, setup_ip, tx_dropped,
                     wait_backlog_zero)
 
@@ -289,10 +289,11 @@ def fresh_burst(env, dev: str, rx: VhostRx, ident: int, what: str) -> str:
 
 
 def ring_full_drops(dev: str) -> int | None:
-    """Sum of the per-queue ring-full drop counters in `ethtool -S` (NODROP
-    patch 0008), None where the device has none."""
-    st = {k: v for k, v in ethtool_stats(dev).items() if k.endswith("ring_full_drops")}
-    return sum(st.values()) if st else None
+    """The device's tx-hw-drops from qstats (packets dropped because a ring
+    was full, detached queues included; NODROP patch 0008), None where the
+    device reports no queue statistics."""
+    st = qstats(dev)
+    return None if st is None else st["total"]["hw_drops"]
 
 
 def pause_go_steps(rx: VhostRx, i: int) -> None:
@@ -415,7 +416,7 @@ def test_vhost_load_events(env, events, record_property):
                     f"{DA_RING}, vhost holding a batch at detach: "
                     f"{'; '.join(steps)}; finally received={got}/{sent} "
                     f"tx_dropped={drops3} qdisc_drops={qdrops3} "
-                    f"ethtool ring_full_drops={eth} "
+                    f"tx-hw-drops={eth} "
                     f"SHORTFALL (freed by ptr_ring_unconsume, not counted)={shortfall} "
                     f"(received per id {st['per_id'][3]}/{st['per_id'][5]}/{st['per_id'][6]}, "
                     f"seq gaps id5={st['missing'][5]})")

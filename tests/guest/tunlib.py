@@ -333,6 +333,88 @@ def ethtool_stats(dev: str) -> dict[str, int]:
     return stats
 
 
+# --- per-queue statistics (netdev netlink family, qstats-get) ---------------------
+# uapi values from include/uapi/linux/netdev.h and genetlink.h (stable ABI)
+_GENL_ID_CTRL, _CTRL_CMD_GETFAMILY = 0x10, 3
+_CTRL_ATTR_FAMILY_ID, _CTRL_ATTR_FAMILY_NAME = 1, 2
+_NETDEV_CMD_QSTATS_GET = 12
+_QSTATS_IFINDEX, _QSTATS_QUEUE_TYPE, _QSTATS_QUEUE_ID, _QSTATS_SCOPE = 1, 2, 3, 4
+_QSTATS_TX = {24: "hw_drops", 33: "stop", 34: "wake"}
+_NLM_F_REQUEST, _NLM_F_DUMP, _NLMSG_ERROR, _NLMSG_DONE = 1, 0x300, 2, 3
+
+
+def _nla(atype: int, payload: bytes) -> bytes:
+    a = struct.pack("=HH", 4 + len(payload), atype) + payload
+    return a + b"\0" * (-len(a) % 4)
+
+
+def _nla_parse(buf: bytes) -> dict[int, bytes]:
+    attrs, off = {}, 0
+    while off + 4 <= len(buf):
+        ln, at = struct.unpack_from("=HH", buf, off)
+        if ln < 4:
+            break
+        attrs[at & 0x3fff] = buf[off + 4:off + ln]
+        off += (ln + 3) & ~3
+    return attrs
+
+
+def _genl(sk: socket.socket, family: int, cmd: int, attrs: bytes, dump: bool) -> list[dict]:
+    flags = _NLM_F_REQUEST | (_NLM_F_DUMP if dump else 0)
+    body = struct.pack("=BBH", cmd, 1, 0) + attrs
+    sk.send(struct.pack("=IHHII", 16 + len(body), family, flags, 1, 0) + body)
+    out = []
+    while True:
+        data, off = sk.recv(1 << 16), 0
+        while off + 16 <= len(data):
+            ln, mtype = struct.unpack_from("=IH", data, off)
+            if mtype == _NLMSG_DONE:
+                return out
+            if mtype == _NLMSG_ERROR:
+                err = struct.unpack_from("=i", data, off + 16)[0]
+                if err:
+                    raise OSError(-err, os.strerror(-err))
+                return out
+            out.append(_nla_parse(data[off + 20:off + ln]))
+            off += (ln + 3) & ~3
+            if not dump:
+                return out
+
+
+def qstats(dev: str) -> dict | None:
+    """The device's TX queue statistics from the netdev netlink family:
+    {"queues": {index: {"stop", "wake", "hw_drops"}}, "total": {...}}, the
+    total being the device's (detached queues included). None when the
+    device reports no queue statistics (a tun without NODROP's counters)."""
+    ifindex = socket.if_nametoindex(dev)
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 16) as sk:  # NETLINK_GENERIC
+        fam = _genl(sk, _GENL_ID_CTRL, _CTRL_CMD_GETFAMILY,
+                    _nla(_CTRL_ATTR_FAMILY_NAME, b"netdev\0"), dump=False)
+        family = struct.unpack("=H", fam[0][_CTRL_ATTR_FAMILY_ID][:2])[0]
+
+        def dump(scope: int) -> list[dict]:
+            try:
+                return _genl(sk, family, _NETDEV_CMD_QSTATS_GET,
+                             _nla(_QSTATS_IFINDEX, struct.pack("=I", ifindex)) +
+                             _nla(_QSTATS_SCOPE, struct.pack("=I", scope)), dump=True)
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                    return []
+                raise
+
+        def tx(attrs: dict) -> dict:
+            return {name: int.from_bytes(attrs.get(a, b""), "little")
+                    for a, name in _QSTATS_TX.items()}
+
+        dev_rows = [r for r in dump(0) if any(a in r for a in _QSTATS_TX)]
+        if not dev_rows:
+            return None
+        queues = {int.from_bytes(r[_QSTATS_QUEUE_ID], "little"): tx(r)
+                  for r in dump(1)
+                  if int.from_bytes(r.get(_QSTATS_QUEUE_TYPE, b"\0"), "little") == 1}
+        return {"queues": queues, "total": tx(dev_rows[0])}
+
+
 def tun_flags_sysfs(dev: str) -> int:
     """/sys/class/net/<dev>/tun_flags as seen from the caller's netns: sysfs
     shows the netns it was mounted in, so mount a fresh one in a private
