@@ -4,22 +4,18 @@ Everything here runs inside the guest, Python 3.11 stdlib only:
 network namespaces held by a process, background processes, the VPN path
 (two `tools/tunnel` ends over a veth), iperf3, pktgen, the stock/bp
 configurations, and the counters the scenarios read in-process (rtnetlink
-qdisc stats, ethtool stats ioctl, tunlib.qstats, /proc): a fork+exec
-of tc/ss/ethtool costs about half a second under TCG.
+qdisc stats, tunlib.qstats, /proc): a fork+exec of tc/ss costs about half a second under TCG.
 
 Clock-independent mechanism counters (`mech_snap`/`mech_rates`): queue
 stops and wakes per 1000 delivered packets, from qstats tx-stop/tx-wake when
-the kernel reports them for the device, else from the driver's ethtool stats
-(`*bp_stops`, `*bp_wakes`) when present (feature detection, never the kernel
-name), and the root qdisc's requeues per 1000 packets; plus the guest time
+the driver reports them (feature detection, never the kernel name), and the
+root qdisc's requeues per 1000 packets; plus the guest time
 and per-CPU idle time of the window, from which the report derives guest
 instructions per packet under QEMU icount (docs/bench.md, "Clock").
 """
 
 from __future__ import annotations
 
-import array
-import fcntl
 import json
 import os
 import signal
@@ -220,58 +216,17 @@ def udp_queues(port: int = 4000) -> tuple[int, int]:
 
 
 # --- mechanism counters and the guest clock ------------------------------------
-SIOCETHTOOL = 0x8946
-ETHTOOL_GDRVINFO, ETHTOOL_GSTRINGS, ETHTOOL_GSTATS, ETH_SS_STATS = 0x03, 0x1B, 0x1D, 1
-ETH_GSTRING_LEN = 32
 USER_HZ = os.sysconf("SC_CLK_TCK")
 
 
-def _ethtool_ioctl(dev: str, buf) -> None:
-    """SIOCETHTOOL on an AF_INET socket of the caller's netns."""
-    addr, _ = buf.buffer_info()
-    ifr = struct.pack("16sP", dev.encode(), addr) + b"\0" * 16
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        fcntl.ioctl(s.fileno(), SIOCETHTOOL, ifr)
-
-
-def ethtool_stats(dev: str) -> dict[str, int]:
-    """`ethtool -S` without the fork (ETHTOOL_GDRVINFO, GSTRINGS, GSTATS);
-    {} when the driver has no statistics."""
-    try:
-        info = array.array("B", struct.pack("I", ETHTOOL_GDRVINFO) + b"\0" * 200)
-        _ethtool_ioctl(dev, info)
-        n = struct.unpack_from("I", info, 180)[0]          # ethtool_drvinfo.n_stats
-        if not n:
-            return {}
-        names = array.array("B", struct.pack("III", ETHTOOL_GSTRINGS, ETH_SS_STATS, n)
-                            + b"\0" * (n * ETH_GSTRING_LEN))
-        _ethtool_ioctl(dev, names)
-        vals = array.array("B", struct.pack("II", ETHTOOL_GSTATS, n) + b"\0" * (8 * n))
-        _ethtool_ioctl(dev, vals)
-    except OSError:
-        return {}
-    raw = names.tobytes()[12:]
-    keys = [raw[i * ETH_GSTRING_LEN:(i + 1) * ETH_GSTRING_LEN].split(b"\0", 1)[0].decode()
-            for i in range(n)]
-    return dict(zip(keys, struct.unpack_from(f"{n}Q", vals, 8)))
-
-
 def stops_wakes(dev: str) -> tuple[str | None, int, int]:
-    """Queue stops and wakes of dev, from the first source the kernel has:
-    qstats tx-stop/tx-wake, else ethtool stats named *bp_stops/*bp_wakes
-    (summed over queues; an earlier version of our series). (None, 0, 0)
-    when neither exists (stock 6.12, mainline 7.3)."""
-    # tunlib.qstats: the netdev family's qstats-get, device scope in "total"
-    # (queues gone since included); None when the driver reports none
-    q = tl.qstats(dev) if hasattr(tl, "qstats") else None
-    if q is not None:
-        return "qstats", q["total"]["stop"], q["total"]["wake"]
-    st = ethtool_stats(dev)
-    stops = [v for k, v in st.items() if k.endswith("bp_stops")]
-    if stops:
-        return ("ethtool", sum(stops),
-                sum(v for k, v in st.items() if k.endswith("bp_wakes")))
-    return None, 0, 0
+    """Queue stops and wakes of dev from qstats tx-stop/tx-wake (device
+    scope: queues detached since included); (None, 0, 0) when the driver
+    reports no queue statistics (stock 6.12, mainline 7.3)."""
+    q = tl.qstats(dev)
+    if q is None:
+        return None, 0, 0
+    return "qstats", q["total"]["stop"], q["total"]["wake"]
 
 
 def cpu_idle_ns() -> list[int]:
