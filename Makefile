@@ -10,11 +10,12 @@
 #   make run FLAVOR=stock-6.12 CMD='ip -s link'
 #   make tools | deps | fetch | flavors | kvm
 #   make dkms | package            nodrop-dkms source tree / .deb in dist/ (docs/dkms.md)
+#   make test-package              the .deb end to end on Debian 12 and 13 (FLAVORS=debian-12)
 
 PYTHON ?= python3
 LAB = PYTHONPATH=$(CURDIR)/lab PYTHONDONTWRITEBYTECODE=1 $(PYTHON) -m nodroplab
 
-.PHONY: test chaos bench kernel run tools deps fetch flavors kvm dkms package help
+.PHONY: test test-package chaos bench kernel run tools deps fetch flavors kvm dkms package help
 
 # $(call sq,VAR): VAR's unexpanded text as one single-quoted shell word, so
 # CMD='ip -s link show; echo $$HOME' reaches the guest shell untouched.
@@ -22,6 +23,9 @@ sq = '$(subst ','\'',$(value $(1)))'
 
 test:
 	@$(LAB) test $(FLAVORS)
+
+test-package:
+	@$(LAB) test-package $(FLAVORS)
 
 chaos:
 	@$(LAB) chaos $(FLAVORS)
@@ -41,4 +45,4 @@ tools deps fetch flavors kvm dkms package:
 	@$(LAB) $@
 
 help:
-	@sed -n '1,13p' Makefile
+	@sed -n '1,14p' Makefile

@@ -18,6 +18,8 @@ from .common import LabError, require_root, say
 from .fetch import fetch_all
 from .kernel import kernel
 from .matrix import load
+from .pkgtest import package_rows
+from .rootfs import load_rootfs
 from .suite import build_tools, cmd_bench, cmd_chaos, cmd_run, cmd_test
 from .vm import kvm_probe
 
@@ -43,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("command", nargs=argparse.REMAINDER, help="shell command line")
     p = sub.add_parser("test", help="build, boot and run the guest suite per flavor")
     p.add_argument("flavors", nargs="*")
+    p = sub.add_parser("test-package", help="nodrop-dkms end to end on the root-filesystem "
+                                            "flavors (debian-12, debian-13; docs/dkms.md)")
+    p.add_argument("flavors", nargs="*")
     p = sub.add_parser("chaos", help="build, boot each debug flavor and run the chaos round "
                                      "(DURATION seconds, SEED)")
     p.add_argument("flavors", nargs="*")
@@ -59,10 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     mx = load()
+    rootfs = load_rootfs()
     if a.cmd == "flavors":
         for name, fl in mx.flavors.items():
             print(f"{name:<18} {fl.source.package} {fl.source.version}"
                   f"{'  series ' + str(fl.series) if fl.series else ''}  {fl.description}")
+        for name, rf in rootfs.items():
+            print(f"{name:<18} rootfs {rf.suite}, linux-image-{rf.kernel} {rf.kernel_version}"
+                  f"  {rf.description}")
         return 0
     if a.cmd == "deps":
         deps_mod.deps()
@@ -102,6 +111,19 @@ def main(argv: list[str] | None = None) -> int:
             raise LabError("run: no command given (make run FLAVOR=x CMD='...')", rc=2)
         deps_mod.deps()
         return cmd_run(fl, " ".join(cmd))
+    if a.cmd == "test-package" or (a.cmd == "test" and any(n in rootfs for n in a.flavors)):
+        names = a.flavors or list(rootfs)
+        rfs = [rootfs[n] for n in names if n in rootfs]
+        kernel_names = [n for n in names if n not in rootfs]
+        if a.cmd == "test-package" and kernel_names:
+            raise LabError(f"test-package: unknown root-filesystem flavor(s) "
+                           f"{', '.join(kernel_names)}; valid: {', '.join(rootfs)}", rc=2)
+        fls = [mx.flavor(n) for n in kernel_names]
+        deps_mod.deps()
+        deps_mod.ensure_apt(deps_mod.PACKAGE_APT)
+        fetch_all(list({f.source.name: f.source for f in fls}.values()))
+        return cmd_test(fls, [], extra_rows=lambda out: package_rows(rfs, out),
+                        model=a.cmd == "test")
     if a.cmd == "test":
         fls = _flavors(mx, a.flavors, mx.test_default)
         # the short chaos round: first [matrix] chaos flavor, default run only

@@ -15,7 +15,7 @@ from pathlib import Path
 from .common import (REPO, RESULTS, TOOLS_OUT, LabError, now_iso, run, say, timestamp)
 from .deps import lab_python
 from .fetch import fetch
-from .kernel import Built, kernel
+from .kernel import Built, kernel, tree_dir
 from .matrix import Flavor, load
 from .vm import CLOCK_OPTS, GuestResult, boot_and_run, guest_env, report_failure
 
@@ -77,6 +77,23 @@ def passthrough_env() -> dict[str, str]:
                           "NODROP_JOBS")}
 
 
+KSELFTEST = Path("tools/testing/selftests")
+KSELFTEST_SERIES = REPO / "patches" / "linux-6.12" / "series"
+
+
+def kselftest_dir() -> str:
+    """tools/testing/selftests of the lab's tree with our 6.12 series (it
+    holds the series' kselftest, net/tun_backpressure.c, and the harness),
+    so that every flavor, ours or not, runs the same kselftest; "" until a
+    flavor with that series has been built."""
+    for fl in load().flavors.values():
+        if fl.series == KSELFTEST_SERIES:
+            d = tree_dir(fl) / KSELFTEST
+            if (d / "net" / "tun_backpressure.c").is_file():
+                return str(d)
+    return ""
+
+
 def _env_for(b: Built, rw: Path, tools: Path | None) -> dict[str, str]:
     return guest_env({**passthrough_env(),
         "NODROP_FLAVOR": b.flavor.name,
@@ -88,6 +105,7 @@ def _env_for(b: Built, rw: Path, tools: Path | None) -> dict[str, str]:
         "NODROP_SOURCE_PACKAGE": b.flavor.source.package,
         "NODROP_SOURCE_VERSION": b.flavor.source.version,
         "NODROP_SERIES_SHA256": b.series_hash,
+        "NODROP_KSELFTEST_DIR": kselftest_dir(),
     })
 
 
@@ -203,15 +221,20 @@ def _suite_result(rw: Path, name: str, junit: str) -> dict:
             "notes": notes}
 
 
-def cmd_test(flavors: list[Flavor], chaos: list[Flavor]) -> int:
+def cmd_test(flavors: list[Flavor], chaos: list[Flavor], extra_rows=None,
+             model: bool = True) -> int:
     """The guest suite on each flavor, a short chaos round on each chaos
-    flavor, and the LKMM model row."""
+    flavor, and the LKMM model row. extra_rows(out) -> rows: other row
+    producers (the root-filesystem flavors, lab/nodroplab/pkgtest.py)."""
     rows, tools = _tools_row()
     out = new_results_dir("test")
     say(f"results: {out}")
-    rows.append(_model_row(out))
+    if model:
+        rows.append(_model_row(out))
     for fl in flavors:
         rows.append(_suites_row(fl, ["selftest", "guest"], out / fl.name, tools, {}))
+    if extra_rows is not None:
+        rows += extra_rows(out)
     for fl in chaos:
         dur = os.environ.get("DURATION") or str(CHAOS_DEFAULT_S)
         rows.append(_suites_row(fl, ["chaos"], out / f"{fl.name}-chaos", tools,

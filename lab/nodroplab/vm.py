@@ -176,10 +176,14 @@ def _group_alive(pgid: int) -> bool:
 def boot_and_run(bzimage: Path, cmd: str, rwdir: Path, *, env: dict[str, str],
                  cwd: Path, timeout: float, boot_timeout: float = 300,
                  relay: bool = True, cpus: int = 2, memory: str = "2G",
-                 clock: str = "wall") -> GuestResult:
+                 clock: str = "wall", root: Path | None = None,
+                 shares: tuple[str, ...] = ()) -> GuestResult:
     """Boot `bzimage`, run `cmd` (a sh command line) as root in the guest.
 
     clock: a CLOCK_OPTS key; anything but "wall" boots with TCG.
+    root: a root filesystem tree to boot instead of the host's (vng --root,
+    read-write: pass a throw-away copy); rwdir and `shares` (vng
+    --rodir/--rwdir options) must then name mount points that exist in it.
     Files in rwdir: stdout, stderr, console.log, .nodrop/{cmd,guest.sh,rc,uname,...}."""
     if clock not in CLOCK_OPTS:
         raise LabError(f"unknown clock {clock!r}; valid: {', '.join(CLOCK_OPTS)}", rc=2)
@@ -200,7 +204,7 @@ def boot_and_run(bzimage: Path, cmd: str, rwdir: Path, *, env: dict[str, str],
     attempts = [kvm, False] if kvm else [False]
     for use_kvm in attempts:
         res = _boot_once(bzimage, rwdir, meta, console, use_kvm, timeout, boot_timeout,
-                         relay, cpus, memory, CLOCK_OPTS[clock])
+                         relay, cpus, memory, CLOCK_OPTS[clock], root, shares)
         if res.booted or not use_kvm:
             return res
         say("guest did not start with KVM; retrying once with TCG (--disable-kvm)")
@@ -208,11 +212,14 @@ def boot_and_run(bzimage: Path, cmd: str, rwdir: Path, *, env: dict[str, str],
 
 
 def _boot_once(bzimage, rwdir, meta, console, use_kvm, timeout, boot_timeout, relay,
-               cpus, memory, qemu_opts=()) -> GuestResult:
+               cpus, memory, qemu_opts=(), root=None, shares=()) -> GuestResult:
     vng = vng_path()
     args = [vng, "--run", str(bzimage), "--force-9p", "--verbose",
             "--cpus", str(cpus), "--memory", memory, f"--rwdir={rwdir}",
             "--cwd", "/", "--exec", f"/bin/sh {shlex.quote(str(meta / 'guest.sh'))}"]
+    if root is not None:        # guest paths = host paths, inside the other root
+        args[9:12] = [f"--rwdir={rwdir}={rwdir}", "--cwd", str(root), "--root", str(root),
+                      "--rw", *shares]
     if not use_kvm:
         args.insert(3, "--disable-kvm")
     if os.environ.get("NODROP_APPEND"):           # extra kernel command line (debugging)

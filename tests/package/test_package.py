@@ -1,0 +1,153 @@
+"""nodrop-dkms inside a Debian guest booted on Debian's own kernel.
+
+Run by the lab's root-filesystem flavors (debian-12, debian-13; docs/dkms.md)
+before the guest suite, with NODROP_EXPECT telling what the root filesystem
+holds:
+
+  package  nodrop-dkms installed: tun and vhost_net are loaded from
+           /lib/modules/<kernel>/updates/dkms, carry the nodrop modinfo tag,
+           TUNGETFEATURES reports IFF_BACKPRESSURE, the ethtool switch is
+           there and off by default, and the example udev rule turns it on
+           (with fq_codel) for a new tun device once it is enabled.
+  stock    the package was removed: the kernel's own modules, no
+           IFF_BACKPRESSURE, no switch.
+
+The behaviour tests themselves are tests/guest (selected files), which adapt
+to TUNGETFEATURES; these tests make sure the kernel they ran on is the one
+we meant.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import platform
+import shutil
+import struct
+import subprocess
+import time
+
+import pytest
+
+EXPECT = os.environ.get("NODROP_EXPECT", "package")
+NAME = os.environ.get("NODROP_DKMS_NAME", "nodrop")
+TUNGETFEATURES = 0x800454CF
+IFF_BACKPRESSURE = 0x0080
+RULE = f"/usr/share/{NAME}-dkms/70-nodrop-backpressure.rules"
+RULE_ON = "/etc/udev/rules.d/70-nodrop-backpressure.rules"
+
+
+def sh(cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=120)
+    print(f"$ {cmd}\n{p.stdout}{p.stderr}", end="")
+    if check and p.returncode:
+        raise AssertionError(f"{cmd}: exit {p.returncode}: {p.stderr.strip()}")
+    return p
+
+
+def features() -> int:
+    fd = os.open("/dev/net/tun", os.O_RDWR)
+    try:
+        buf = bytearray(4)
+        fcntl.ioctl(fd, TUNGETFEATURES, buf, True)
+        return struct.unpack("I", buf)[0]
+    finally:
+        os.close(fd)
+
+
+def loaded_version(mod: str) -> str | None:
+    try:
+        with open(f"/sys/module/{mod}/version") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def modules_loaded():
+    for mod in ("tun", "vhost_net"):
+        sh(f"modprobe {mod}")
+
+
+@pytest.mark.parametrize("mod", ["tun", "vhost_net"])
+def test_module_origin(mod):
+    kver = platform.release()
+    fn = sh(f"modinfo -F filename {mod}").stdout.strip()
+    tag = sh(f"modinfo -F {NAME} {mod}").stdout.strip()
+    ver = loaded_version(mod)
+    print(f"{mod}: {fn} tag={tag!r} loaded version={ver!r}")
+    if EXPECT == "package":
+        assert fn.startswith(f"/lib/modules/{kver}/updates/dkms/{mod}.ko"), fn
+        assert tag.startswith(f"{NAME}-dkms "), f"no {NAME} modinfo tag in {fn}"
+        # the module in memory is ours, not an in-tree one loaded earlier
+        assert ver and ver.endswith(f"{NAME}{os.environ.get('NODROP_DKMS_VERSION', '')}"), ver
+    else:
+        assert fn.startswith(f"/lib/modules/{kver}/kernel/drivers/"), fn
+        assert not tag, f"stock expected, {fn} has {NAME} tag {tag!r}"
+        assert not ver or NAME not in ver, ver
+
+
+def test_features():
+    feat = features()
+    print(f"TUNGETFEATURES=0x{feat:04x}")
+    if EXPECT == "package":
+        assert feat & IFF_BACKPRESSURE, f"0x{feat:04x}: no IFF_BACKPRESSURE with {NAME}-dkms"
+    else:
+        assert not feat & IFF_BACKPRESSURE, f"0x{feat:04x}: IFF_BACKPRESSURE on a stock kernel"
+
+
+def _flag(dev: str) -> bool | None:
+    """The backpressure private flag: True/False, None if the driver has none."""
+    out = sh(f"ethtool --show-priv-flags {dev}", check=False).stdout
+    for line in out.splitlines():
+        k, _, v = line.partition(":")
+        if k.strip() == "backpressure":
+            return v.strip() == "on"
+    return None
+
+
+def _wait_flag(dev: str, timeout: float = 30) -> bool | None:
+    end = time.monotonic() + timeout
+    while True:
+        f = _flag(dev)
+        if f or time.monotonic() > end:
+            return f
+        time.sleep(0.5)
+
+
+def test_switch_off_by_default():
+    dev = "tunndpkg0"
+    sh(f"ip tuntap add mode tun name {dev}")
+    try:
+        if shutil.which("udevadm"):
+            sh("udevadm settle -t 30", check=False)
+        f = _flag(dev)
+        if EXPECT == "package":
+            assert f is False, f"{dev}: backpressure flag {f}, expected present and off"
+        else:
+            assert f is None, f"{dev}: stock tun has a backpressure flag ({f})"
+    finally:
+        sh(f"ip link del {dev}", check=False)
+
+
+def test_udev_rule_example():
+    if EXPECT != "package":
+        pytest.skip("package removed")
+    if not shutil.which("udevadm") or not os.path.exists("/run/udev/control"):
+        pytest.skip("no running udevd in this guest")
+    assert os.path.exists(RULE), f"{RULE} missing from the package"
+    assert not os.path.exists(RULE_ON), f"{RULE_ON}: the rule must not be enabled by default"
+    shutil.copy(RULE, RULE_ON)
+    dev = "tapndpkg0"
+    try:
+        sh("udevadm control --reload")
+        sh(f"ip tuntap add mode tap name {dev}")
+        sh("udevadm settle -t 30", check=False)
+        f = _wait_flag(dev)
+        assert f is True, f"udev rule did not turn backpressure on ({f})"
+        q = sh(f"tc qdisc show dev {dev} root").stdout
+        assert "fq_codel" in q, f"udev rule did not set fq_codel: {q}"
+    finally:
+        sh(f"ip link del {dev}", check=False)
+        os.unlink(RULE_ON)
+        sh("udevadm control --reload", check=False)
