@@ -139,7 +139,11 @@ def _pg_counts(path: str) -> dict:
     return out
 
 
-def test_pktgen_concurrent(env, record_property):
+def pktgen_two_threads(env, record_property, name: str = "ndpg0") -> dict:
+    """Two pktgen threads in start_xmit mode on one tap queue (fq_codel, a
+    reader draining it); checks that the reader got every packet pktgen
+    counted as sent. Returns drops, summary and whether the device exposes
+    the private flag. Also used by test_defects.py."""
     if not os.path.isdir(PG):
         pytest.skip("no /proc/net/pktgen (kernel without CONFIG_NET_PKTGEN)")
     threads = sorted(n for n in os.listdir(PG) if n.startswith("kpktgend_"))
@@ -147,7 +151,7 @@ def test_pktgen_concurrent(env, record_property):
         pytest.skip(f"need 2 pktgen threads (CPUs), have {threads}")
     threads = threads[:2]
 
-    t = env.tun("ndpg0", IFF_TAP | IFF_NO_PI | env.bp_flag())
+    t = env.tun(name, IFF_TAP | IFF_NO_PI | env.bp_flag())
     setup_ip(t.name, tap=True, txqueuelen=RING)
     qspec = set_fq_codel(t.name)
     priv = ethtool_priv_flags(t.name)
@@ -206,6 +210,12 @@ def test_pktgen_concurrent(env, record_property):
 
     assert r["bad"] == 0, summary
     assert r["pktgen"] == sent, f"reader must get every packet pktgen sent; {summary}"
+    return {"drops": drops, "summary": summary, "extension": extension}
+
+
+def test_pktgen_concurrent(env, record_property):
+    res = pktgen_two_threads(env, record_property)
+    drops, summary, extension = res["drops"], res["summary"], res["extension"]
     if not env.bp:
         return
     if drops == 0:
