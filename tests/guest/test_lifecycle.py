@@ -23,7 +23,9 @@ from __future__ import annotations
 import json
 import time
 
-from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TUN, log, qsummary,
+import pytest
+
+from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TUN, has_priv_flag, log, qsummary,
                     root_qdisc, set_fq_codel, set_qdisc, setup_ip, sh,
                     tx_dropped, wait_backlog_zero)
 
@@ -193,7 +195,17 @@ def test_lifecycle_txqueuelen_extremes(env, record_property):
             f"txqueuelen {qlen}: {seen[qlen]}, the core allows 0..32767"
         if qlen == 0 and not env.bp:
             continue
-        progress(env, dev, [reader], f"txqueuelen {qlen} ({seen[qlen]})")
+        try:
+            progress(env, dev, [reader], f"txqueuelen {qlen} ({seen[qlen]})")
+        except AssertionError as e:
+            # mainline 7.3 sizes the ring from txqueuelen 0 and stops the
+            # queue for good: recorded on a backpressure kernel without our
+            # extension, a failure on ours
+            if env.bp and not has_priv_flag(dev, "backpressure"):
+                record_property("stalled_at_txqueuelen", qlen)
+                pytest.xfail(f"RECORDED: a backpressure kernel without our ring "
+                             f"sizing stalls for good: {e}")
+            raise
     sh(f"ip link set dev {dev} txqueuelen {RING}")
     record_property("txqueuelen", seen)
     finish(env, dev, [reader], load, record_property)
