@@ -139,7 +139,8 @@ def _pg_counts(path: str) -> dict:
     return out
 
 
-def pktgen_two_threads(env, record_property, name: str = "ndpg0") -> dict:
+def pktgen_two_threads(env, record_property, name: str = "ndpg0", count: int = PG_COUNT,
+                       pkt_size: int = PG_PKT_SIZE, ring: int = RING) -> dict:
     """Two pktgen threads in start_xmit mode on one tap queue (fq_codel, a
     reader draining it); checks that the reader got every packet pktgen
     counted as sent. Returns drops, summary and whether the device exposes
@@ -152,7 +153,7 @@ def pktgen_two_threads(env, record_property, name: str = "ndpg0") -> dict:
     threads = threads[:2]
 
     t = env.tun(name, IFF_TAP | IFF_NO_PI | env.bp_flag())
-    setup_ip(t.name, tap=True, txqueuelen=RING)
+    setup_ip(t.name, tap=True, txqueuelen=ring)
     qspec = set_fq_codel(t.name)
     priv = ethtool_priv_flags(t.name)
     extension = "backpressure" in priv
@@ -168,7 +169,7 @@ def pktgen_two_threads(env, record_property, name: str = "ndpg0") -> dict:
         name = f"{t.name}@{i}"
         _pg_cmd(tp, f"add_device {name}")
         dp = f"{PG}/{name}"
-        for c in (f"count {PG_COUNT}", f"pkt_size {PG_PKT_SIZE}", "clone_skb 0",
+        for c in (f"count {count}", f"pkt_size {pkt_size}", "clone_skb 0",
                   "burst 1", "delay 0", "xmit_mode start_xmit",
                   f"dst {PEER_IP}", f"src_min {LOCAL_IP}", f"src_max {LOCAL_IP}",
                   f"dst_mac {PEER_MAC}", "udp_dst_min 9", "udp_dst_max 9"):
@@ -199,7 +200,8 @@ def pktgen_two_threads(env, record_property, name: str = "ndpg0") -> dict:
     time.sleep(0.3)
     r = reader.stat()
     drops = tx_dropped(t.name) - d0
-    summary = (f"[pktgen 2 threads, tap, bp={env.bp}, extension={extension}] "
+    summary = (f"[pktgen 2 threads x {count}, {pkt_size} B, ring {ring}, tap, "
+               f"bp={env.bp}, extension={extension}] "
                f"pktgen_sent={sent} pktgen_errors={errors} tx_dropped={drops} "
                f"received={r['pktgen']} other={r['other']} bad={r['bad']}")
     log(summary)
