@@ -283,7 +283,11 @@ def test_qstats_monotonic_across_detach(env, record_property):
     assert set(first["queues"]) == {0, 1}, f"one row per attached queue: {first}"
     assert first["queues"][1]["stop"] >= 1, f"queue 1 never stopped: {first}"
     assert set(seen[1][1]["queues"]) == {0}, f"detached queue still listed: {seen[1][1]}"
-    assert seen[2][1]["queues"][1] == {"stop": 0, "wake": 0, "hw_drops": 0}, \
+    # counts from 0; the one wake allowed is the attach's own, on a kernel
+    # that leaves a detached queue's index stopped until a queue is attached
+    # there again (mainline's detach, so nodrop-7.3); 6.12 wakes it at detach
+    again = seen[2][1]["queues"][1]
+    assert again["stop"] == 0 and again["hw_drops"] == 0 and again["wake"] <= 1, \
         f"a queue attached again counts from 0: {seen[2][1]}"
     for (wa, a), (wb, b) in zip(seen, seen[1:]):
         for k in ("stop", "wake", "hw_drops"):
