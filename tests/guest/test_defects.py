@@ -24,17 +24,13 @@ every kernel without failing.
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
 from test_concurrent import pktgen_two_threads
-from test_lifecycle import quiesce
-from test_vhost import (DA_BUFS, DA_RATE, DA_RING, HELD_BURST, HELD_BURST2,
-                        SNDBUF, STALL_S, VHOST_DEV, check_clean, fresh_burst,
-                        make_tap, settle)
-from tunlib import (log, qdisc_totals, set_fq_codel, tx_dropped,
-                    wait_backlog_zero)
+from test_vhost import (DA_BUFS, DA_RATE, DA_RING, VHOST_DEV, check_clean,
+                        fresh_burst, giveback_sequence, make_tap)
+from tunlib import log, set_fq_codel
 
 
 @pytest.fixture(autouse=True)
@@ -69,48 +65,10 @@ def test_defect_vhost_unconsume(env, record_property):
     fresh_burst(env, dev, rx, 2, "burst before the backend changes")
 
     # the deterministic sequence of test_vhost_load_events[detach_attach],
-    # phase B, without the load before it:
-    #  1. paused consumer, DA_BUFS datagrams fill the posted buffers;
-    #  2. detach; a burst fills the ring to its stop level, the rest waits
-    #     in the qdisc;
-    #  3. attach: vhost-net takes one batch (64) into its private buffer,
-    #     finds no free buffer and stops; the queue wakes and the qdisc
-    #     refills the ring to its stop level;
-    #  4. another burst;
-    #  5. detach: ptr_ring_unconsume() gives the batch back to the ring and
-    #     frees, silently, what does not fit;
-    #  6. attach, go: everything else is delivered.
-    rx.pause()
-    d0 = tx_dropped(dev)
-    q0 = qdisc_totals(dev)
-    steps = []
-
-    def burst(ident: int, n: int) -> None:
-        r = env.burst(n, ident=ident, sndbuf=SNDBUF)
-        assert r["ok"] == n, r
-        settle(dev)
-        steps.append(f"id{ident}x{n}: tx_dropped={tx_dropped(dev) - d0} "
-                     f"backlog={qdisc_totals(dev)['qlen']}p")
-
-    burst(3, DA_BUFS)
-    rx.detach()
-    burst(5, HELD_BURST)
-    rx.attach()
-    time.sleep(1.0)  # vhost's worker takes its batch
-    settle(dev)
-    steps.append(f"attach: backlog={qdisc_totals(dev)['qlen']}p")
-    burst(6, HELD_BURST2)
-    rx.detach()
-    rx.attach()
-    rx.go()
-    wait_backlog_zero(dev, stall_s=STALL_S)
-    quiesce([rx])
-    st = rx.stat()
-    sent = DA_BUFS + HELD_BURST + HELD_BURST2
-    got = sum(st["per_id"][i] for i in (3, 5, 6))
-    drops = tx_dropped(dev) - d0
-    qdrops = qdisc_totals(dev)["drops"] - q0["drops"]
-    missing = sent - got - drops - qdrops
+    # phase B (steps in test_vhost.py), without the load before it
+    g = giveback_sequence(env, dev, rx)
+    st, got, sent, missing = g["st"], g["got"], g["sent"], g["missing"]
+    drops, qdrops, steps = g["drops"], g["qdrops"], g["steps"]
     summary = (f"[vhost, IFF_BACKPRESSURE, ring {DA_RING}, {DA_BUFS} buffers] "
                f"{'; '.join(steps)}; received={got}/{sent} tx_dropped={drops} "
                f"qdisc_drops={qdrops} MISSING (freed uncounted)={missing}")

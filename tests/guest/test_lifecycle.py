@@ -107,6 +107,18 @@ def start_load(env):
     return env.sender(0, ident=1, sport=43000, flows=8, label="load")
 
 
+def loaded_tun(env, name: str):
+    """A single-queue tun (the test's flag), txqueuelen RING, fq_codel, a
+    slow reader and the load flowing: (dev, reader, load)."""
+    t = env.tun(name, IFF_TUN | IFF_NO_PI | env.bp_flag())
+    setup_ip(t.name, tap=False, txqueuelen=RING)
+    set_fq_codel(t.name)
+    reader = env.reader(t, delay_us=READER_DELAY_US)
+    load = start_load(env)
+    progress(env, t.name, [reader], "load start", 200)
+    return t.name, reader, load
+
+
 def test_lifecycle_queue_detach_attach(env, record_property):
     flags = IFF_TUN | IFF_NO_PI | IFF_MULTI_QUEUE | env.bp_flag()
     q0 = env.tun("ndlc0", flags)
@@ -152,13 +164,7 @@ def test_lifecycle_persist_reopen(env, record_property):
 
 
 def test_lifecycle_txqueuelen(env, record_property):
-    t = env.tun("ndlc2", IFF_TUN | IFF_NO_PI | env.bp_flag())
-    dev = t.name
-    setup_ip(dev, tap=False, txqueuelen=RING)
-    set_fq_codel(dev)
-    reader = env.reader(t, delay_us=READER_DELAY_US)
-    load = start_load(env)
-    progress(env, dev, [reader], "load start", 200)
+    dev, reader, load = loaded_tun(env, "ndlc2")
     for qlen in (64, 8, 1000, RING):
         sh(f"ip link set dev {dev} txqueuelen {qlen}")
         progress(env, dev, [reader], f"txqueuelen {qlen}")
@@ -177,13 +183,7 @@ def test_lifecycle_txqueuelen_extremes(env, record_property):
     kernel), and traffic keeps flowing after each, then drains, and a fresh
     burst is delivered. A ring of 0 slots carries nothing on a kernel
     without backpressure, so there the value 0 is only recorded."""
-    t = env.tun("ndlc5", IFF_TUN | IFF_NO_PI | env.bp_flag())
-    dev = t.name
-    setup_ip(dev, tap=False, txqueuelen=RING)
-    set_fq_codel(dev)
-    reader = env.reader(t, delay_us=READER_DELAY_US)
-    load = start_load(env)
-    progress(env, dev, [reader], "load start", 200)
+    dev, reader, load = loaded_tun(env, "ndlc5")
     seen = {}
     for qlen in EXTREME_QLEN:
         r = sh(f"ip link set dev {dev} txqueuelen {qlen}", check=False)
@@ -212,13 +212,7 @@ def test_lifecycle_txqueuelen_extremes(env, record_property):
 
 
 def test_lifecycle_link_down_up(env, record_property):
-    t = env.tun("ndlc3", IFF_TUN | IFF_NO_PI | env.bp_flag())
-    dev = t.name
-    setup_ip(dev, tap=False, txqueuelen=RING)
-    set_fq_codel(dev)
-    reader = env.reader(t, delay_us=READER_DELAY_US)
-    load = start_load(env)
-    progress(env, dev, [reader], "load start", 200)
+    dev, reader, load = loaded_tun(env, "ndlc3")
     for i in range(2):
         sh(f"ip link set dev {dev} down")
         sh(f"ip link set dev {dev} up")
@@ -227,13 +221,7 @@ def test_lifecycle_link_down_up(env, record_property):
 
 
 def test_lifecycle_qdisc_replace(env, record_property):
-    t = env.tun("ndlc4", IFF_TUN | IFF_NO_PI | env.bp_flag())
-    dev = t.name
-    setup_ip(dev, tap=False, txqueuelen=RING)
-    set_fq_codel(dev)
-    reader = env.reader(t, delay_us=READER_DELAY_US)
-    load = start_load(env)
-    progress(env, dev, [reader], "load start", 200)
+    dev, reader, load = loaded_tun(env, "ndlc4")
     # a queue stopped by backpressure at the moment noqueue takes over makes
     # the core drop with "asks to queue packet": record it, do not fail
     env.allow_kmsg("asks to queue packet")

@@ -57,21 +57,33 @@ def _probe(q0, q1) -> dict[int, int]:
     return found
 
 
-def test_multiqueue(env, record_property):
+def _two_queues(env, name: str):
+    """A 2-queue tun (the test's flag), addressed, both fds non-blocking,
+    and a source port per queue: (q0, q1, {queue: sport})."""
     flags = IFF_TUN | IFF_NO_PI | IFF_MULTI_QUEUE | env.bp_flag()
-    q0 = env.tun("ndmq0", flags)
-    q1 = env.tun("ndmq0", flags)
-    dev = q0.name
-    setup_ip(dev, tap=False)
+    q0 = env.tun(name, flags)
+    q1 = env.tun(name, flags)
+    setup_ip(q0.name, tap=False)
     q0.set_nonblocking()
     q1.set_nonblocking()
-    ports = _probe(q0, q1)
+    return q0, q1, _probe(q0, q1)
 
-    # fresh, small rings for exact counts (resize reallocates them)
-    sh(f"ip link set dev {dev} txqueuelen {RING}")
+
+def _mq_fq_codel(dev: str) -> str:
+    """mq root with an fq_codel child per queue; the child's spec."""
     sh(f"tc qdisc replace dev {dev} root handle 1: mq")
     spec = set_fq_codel(dev, parent="1:1")
     set_fq_codel(dev, parent="1:2")
+    return spec
+
+
+def test_multiqueue(env, record_property):
+    q0, q1, ports = _two_queues(env, "ndmq0")
+    dev = q0.name
+
+    # fresh, small rings for exact counts (resize reallocates them)
+    sh(f"ip link set dev {dev} txqueuelen {RING}")
+    spec = _mq_fq_codel(dev)
     log(f"mq children: '{spec}'")
 
     r0 = env.reader(q0, paused=True, label="queue0")
@@ -140,21 +152,13 @@ def test_multiqueue_detach_backlog(env, record_property):
     child of the highest index. Both queues' readers are paused and each
     queue gets a burst, then queue 1 detaches (TUNSETQUEUE); queue 0 then
     drains what is left, without a stall."""
-    flags = IFF_TUN | IFF_NO_PI | IFF_MULTI_QUEUE | env.bp_flag()
-    q0 = env.tun("ndmq1", flags)
-    q1 = env.tun("ndmq1", flags)
+    q0, q1, ports = _two_queues(env, "ndmq1")
     dev = q0.name
-    setup_ip(dev, tap=False)
-    q0.set_nonblocking()
-    q1.set_nonblocking()
-    ports = _probe(q0, q1)
     sh(f"ip link set dev {dev} txqueuelen {RING}")
     results = {}
     for root in ("fq_codel", "mq"):
         if root == "mq":
-            sh(f"tc qdisc replace dev {dev} root handle 1: mq")
-            set_fq_codel(dev, parent="1:1")
-            set_fq_codel(dev, parent="1:2")
+            _mq_fq_codel(dev)
         else:
             set_fq_codel(dev)
         r0 = env.reader(q0, paused=True, label=f"queue0-{root}")
@@ -201,20 +205,12 @@ def test_multiqueue_detach_remap(env, record_property):
     0's queue is awake but now feeds a full ring: the producers must find
     room beyond the stop level and stop the queue, not drop. Afterwards the
     ring drains and a fresh burst arrives complete."""
-    flags = IFF_TUN | IFF_NO_PI | IFF_MULTI_QUEUE | env.bp_flag()
-    q0 = env.tun("ndmq2", flags)
-    q1 = env.tun("ndmq2", flags)
+    q0, q1, ports = _two_queues(env, "ndmq2")
     dev = q0.name
-    setup_ip(dev, tap=False)
-    q0.set_nonblocking()
-    q1.set_nonblocking()
-    ports = _probe(q0, q1)
     sh(f"ip link set dev {dev} txqueuelen {RING}")
     # mq: queue 0's load must not wait behind queue 1's stopped head packet
     # (with a single root qdisc it would, see test_multiqueue_detach_backlog)
-    sh(f"tc qdisc replace dev {dev} root handle 1: mq")
-    set_fq_codel(dev, parent="1:1")
-    set_fq_codel(dev, parent="1:2")
+    _mq_fq_codel(dev)
     r0 = env.reader(q0, label="queue0")
     r1 = env.reader(q1, paused=True, label="queue1")
     s = env.burst(N, ident=1, sport=ports[1], sndbuf=SNDBUF)

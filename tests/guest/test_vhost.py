@@ -296,6 +296,48 @@ def ring_full_drops(dev: str) -> int | None:
     return None if st is None else st["total"]["hw_drops"]
 
 
+def giveback_sequence(env, dev: str, rx: VhostRx) -> dict:
+    """The deterministic vhost-net give-back sequence (phase B of
+    test_vhost_load_events[detach_attach], and test_defects): paused
+    consumer, bursts around backend detach/attach while vhost-net holds a
+    batch, then everything resumed and drained. Returns the counts: sent,
+    got (received), drops (tx_dropped), qdrops (qdisc drops), missing
+    (sent - got - drops - qdrops: freed by ptr_ring_unconsume() uncounted),
+    the per-step log and the consumer's final stat."""
+    rx.pause()
+    d0 = tx_dropped(dev)
+    q0 = qdisc_totals(dev)
+    steps = []
+
+    def burst(ident: int, n: int) -> None:
+        r = env.burst(n, ident=ident, sndbuf=SNDBUF)
+        assert r["ok"] == n, r
+        settle(dev)
+        steps.append(f"id{ident}x{n}: tx_dropped={tx_dropped(dev) - d0} "
+                     f"backlog={qdisc_totals(dev)['qlen']}p")
+
+    burst(3, DA_BUFS)
+    rx.detach()
+    burst(5, HELD_BURST)
+    rx.attach()
+    time.sleep(1.0)  # vhost's worker takes its batch (no visible counter on stock)
+    settle(dev)
+    steps.append(f"attach: backlog={qdisc_totals(dev)['qlen']}p")
+    burst(6, HELD_BURST2)
+    rx.detach()
+    rx.attach()
+    rx.go()
+    wait_backlog_zero(dev, stall_s=STALL_S)
+    quiesce([rx])
+    st = rx.stat()
+    sent = DA_BUFS + HELD_BURST + HELD_BURST2
+    got = sum(st["per_id"][i] for i in (3, 5, 6))
+    drops = tx_dropped(dev) - d0
+    qdrops = qdisc_totals(dev)["drops"] - q0["drops"]
+    return {"st": st, "sent": sent, "got": got, "drops": drops, "qdrops": qdrops,
+            "missing": sent - got - drops - qdrops, "steps": steps}
+
+
 def pause_go_steps(rx: VhostRx, i: int) -> None:
     rx.pause()
     time.sleep(0.5)
@@ -378,38 +420,10 @@ def test_vhost_load_events(env, events, record_property):
     #     room for ring size - DA_RING entries (stock 0, BP the reserve:
     #     possible CPUs - 1 + ptr_ring batch - 1) and frees the rest, silently;
     #  6. attach, go: everything else is delivered.
-    rx.pause()
-    d2 = tx_dropped(dev)
-    qb = qdisc_totals(dev)
     eth0 = ring_full_drops(dev)
-    steps = []
-
-    def burst(ident: int, n: int) -> None:
-        r = env.burst(n, ident=ident, sndbuf=SNDBUF)
-        assert r["ok"] == n, r
-        settle(dev)
-        steps.append(f"id{ident}x{n}: tx_dropped={tx_dropped(dev) - d2} "
-                     f"backlog={qdisc_totals(dev)['qlen']}p")
-
-    burst(3, DA_BUFS)
-    rx.detach()
-    burst(5, HELD_BURST)
-    rx.attach()
-    time.sleep(1.0)  # vhost's worker takes its batch (no visible counter on stock)
-    settle(dev)
-    steps.append(f"attach: backlog={qdisc_totals(dev)['qlen']}p")
-    burst(6, HELD_BURST2)
-    rx.detach()
-    rx.attach()
-    rx.go()
-    wait_backlog_zero(dev, stall_s=STALL_S)
-    quiesce([rx])
-    st = rx.stat()
-    sent = DA_BUFS + HELD_BURST + HELD_BURST2
-    got = sum(st["per_id"][i] for i in (3, 5, 6))
-    drops3 = tx_dropped(dev) - d2
-    qdrops3 = qdisc_totals(dev)["drops"] - qb["drops"]
-    shortfall = sent - got - drops3 - qdrops3
+    g = giveback_sequence(env, dev, rx)
+    st, got, sent, shortfall = g["st"], g["got"], g["sent"], g["missing"]
+    drops3, qdrops3, steps = g["drops"], g["qdrops"], g["steps"]
     eth1 = ring_full_drops(dev)
     eth = "n/a" if eth0 is None or eth1 is None else eth1 - eth0
     held_summary = (f"[vhost bp={env.bp}] paused consumer, {DA_BUFS} buffers, ring "

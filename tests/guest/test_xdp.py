@@ -28,7 +28,7 @@ import struct
 
 import pytest
 
-from tunlib import (IFF_NO_PI, IFF_TAP, _nla, has_priv_flag, log, qstats,
+from tunlib import (IFF_NO_PI, IFF_TAP, has_priv_flag, log, nla, qstats,
                     root_qdisc, set_fq_codel, setup_ip, sh, tx_dropped,
                     wait_backlog_zero)
 
@@ -72,10 +72,10 @@ def load_redirect_prog(ifindex: int) -> int:
 
 def attach_xdp(dev: str, prog_fd: int) -> None:
     """RTM_SETLINK with IFLA_XDP {FD, FLAGS=DRV_MODE} (native XDP)."""
-    xdp = _nla(IFLA_XDP_FD, struct.pack("=i", prog_fd)) + \
-        _nla(IFLA_XDP_FLAGS, struct.pack("=I", XDP_FLAGS_DRV_MODE))
+    xdp = nla(IFLA_XDP_FD, struct.pack("=i", prog_fd)) + \
+        nla(IFLA_XDP_FLAGS, struct.pack("=I", XDP_FLAGS_DRV_MODE))
     body = struct.pack("=BxHiII", socket.AF_UNSPEC, 0, socket.if_nametoindex(dev), 0, 0) + \
-        _nla(IFLA_XDP | 0x8000, xdp)          # NLA_F_NESTED
+        nla(IFLA_XDP | 0x8000, xdp)          # NLA_F_NESTED
     msg = struct.pack("=IHHII", 16 + len(body), RTM_SETLINK,
                       NLM_F_REQUEST | NLM_F_ACK, 1, 0) + body
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as sk:

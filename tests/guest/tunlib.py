@@ -322,17 +322,6 @@ def set_priv_flag(dev: str, name: str, on: bool,
               check=check)
 
 
-def ethtool_stats(dev: str) -> dict[str, int]:
-    """`ethtool -S dev` as {name: value}; {} for "no stats available"."""
-    r = sh(f"ethtool -S {dev}", check=False)
-    stats = {}
-    for line in r.stdout.splitlines():
-        k, sep, v = line.rpartition(":")
-        if sep and v.strip().lstrip("-").isdigit():
-            stats[k.strip()] = int(v)
-    return stats
-
-
 # --- per-queue statistics (netdev netlink family, qstats-get) ---------------------
 # uapi values from include/uapi/linux/netdev.h and genetlink.h (stable ABI)
 _GENL_ID_CTRL, _CTRL_CMD_GETFAMILY = 0x10, 3
@@ -343,7 +332,7 @@ _QSTATS_TX = {24: "hw_drops", 33: "stop", 34: "wake"}
 _NLM_F_REQUEST, _NLM_F_DUMP, _NLMSG_ERROR, _NLMSG_DONE = 1, 0x300, 2, 3
 
 
-def _nla(atype: int, payload: bytes) -> bytes:
+def nla(atype: int, payload: bytes) -> bytes:
     a = struct.pack("=HH", 4 + len(payload), atype) + payload
     return a + b"\0" * (-len(a) % 4)
 
@@ -389,14 +378,14 @@ def qstats(dev: str) -> dict | None:
     ifindex = socket.if_nametoindex(dev)
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 16) as sk:  # NETLINK_GENERIC
         fam = _genl(sk, _GENL_ID_CTRL, _CTRL_CMD_GETFAMILY,
-                    _nla(_CTRL_ATTR_FAMILY_NAME, b"netdev\0"), dump=False)
+                    nla(_CTRL_ATTR_FAMILY_NAME, b"netdev\0"), dump=False)
         family = struct.unpack("=H", fam[0][_CTRL_ATTR_FAMILY_ID][:2])[0]
 
         def dump(scope: int) -> list[dict]:
             try:
                 return _genl(sk, family, _NETDEV_CMD_QSTATS_GET,
-                             _nla(_QSTATS_IFINDEX, struct.pack("=I", ifindex)) +
-                             _nla(_QSTATS_SCOPE, struct.pack("=I", scope)), dump=True)
+                             nla(_QSTATS_IFINDEX, struct.pack("=I", ifindex)) +
+                             nla(_QSTATS_SCOPE, struct.pack("=I", scope)), dump=True)
             except OSError as e:
                 if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
                     return []

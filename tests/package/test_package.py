@@ -19,20 +19,21 @@ we meant.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import platform
 import shutil
-import struct
 import subprocess
+import sys
 import time
 
 import pytest
 
+# TUNGETFEATURES and the flag from the guest suite's helpers
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "guest"))
+from tunlib import IFF_BACKPRESSURE, get_features  # noqa: E402
+
 EXPECT = os.environ.get("NODROP_EXPECT", "package")
 NAME = os.environ.get("NODROP_DKMS_NAME", "nodrop")
-TUNGETFEATURES = 0x800454CF
-IFF_BACKPRESSURE = 0x0080
 RULE = f"/usr/share/{NAME}-dkms/70-nodrop-backpressure.rules"
 RULE_ON = "/etc/udev/rules.d/70-nodrop-backpressure.rules"
 
@@ -43,16 +44,6 @@ def sh(cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and p.returncode:
         raise AssertionError(f"{cmd}: exit {p.returncode}: {p.stderr.strip()}")
     return p
-
-
-def features() -> int:
-    fd = os.open("/dev/net/tun", os.O_RDWR)
-    try:
-        buf = bytearray(4)
-        fcntl.ioctl(fd, TUNGETFEATURES, buf, True)
-        return struct.unpack("I", buf)[0]
-    finally:
-        os.close(fd)
 
 
 def loaded_version(mod: str) -> str | None:
@@ -88,7 +79,7 @@ def test_module_origin(mod):
 
 
 def test_features():
-    feat = features()
+    feat = get_features()
     print(f"TUNGETFEATURES=0x{feat:04x}")
     if EXPECT == "package":
         assert feat & IFF_BACKPRESSURE, f"0x{feat:04x}: no IFF_BACKPRESSURE with {NAME}-dkms"
