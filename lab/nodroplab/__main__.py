@@ -54,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="build, boot each flavor, print the kernel matrix "
                                      "(runs bench/run in the guest if it exists)")
     p.add_argument("flavors", nargs="*")
+    p = sub.add_parser("fuzz", help="syzkaller on a fuzz flavor for DURATION seconds "
+                                    "(docs/fuzz.md); --smoke: fail unless programs ran")
+    p.add_argument("flavor")
+    p.add_argument("--duration", type=int, required=True)
+    p.add_argument("--smoke", action="store_true")
+    sub.add_parser("fuzz-prereqs", help="build the pinned syzkaller and the fuzz image")
     sub.add_parser("tools", help="make -C tools OUT=<repo>/tools/build")
     sub.add_parser("flavors", help="list the flavors of lab/flavors.toml")
     sub.add_parser("kvm", help="probe whether QEMU can use KVM here")
@@ -104,6 +110,20 @@ def main(argv: list[str] | None = None) -> int:
         b = kernel(fl, rebuild=a.rebuild)
         print(b.bzimage)
         return 0
+    if a.cmd in ("fuzz", "fuzz-prereqs"):
+        from . import fuzz as fuzz_mod
+        require_root()
+        deps_mod.deps()
+        deps_mod.ensure_apt(fuzz_mod.FUZZ_APT)
+        if a.cmd == "fuzz-prereqs":
+            print(fuzz_mod.syzkaller(fuzz_mod.load_cfg()))
+            print(fuzz_mod.image()[0])
+            return 0
+        if a.duration <= 0:
+            raise LabError("fuzz: DURATION must be a positive number of seconds", rc=2)
+        fl = mx.flavor(a.flavor)
+        fetch_all([fl.source])
+        return fuzz_mod.fuzz(kernel(fl), a.duration, smoke=a.smoke)
     if a.cmd == "run":
         fl = mx.flavor(a.flavor)
         cmd = a.command[1:] if a.command[:1] == ["--"] else a.command

@@ -111,6 +111,21 @@ def _am_failure(patch: Path, out: str) -> str:
     return f"patch {patch.name} does not apply ({patch}):\n  {lines}"
 
 
+def _apply(tree: Path, patch: Path) -> subprocess.CompletedProcess:
+    """`git am` a mail (git format-patch); a plain diff (the fuzz control's
+    seed patch) is applied with `git apply` and committed under its file name."""
+    with open(patch, "rb") as f:
+        is_mail = f.read(5) == b"From "
+    if is_mail:
+        return run(["git", *GIT_ID, "-C", str(tree), "am", "-q", "--keep-cr", str(patch)],
+                   capture=True, check=False, quiet=True)
+    r = run(["git", *GIT_ID, "-C", str(tree), "apply", "--index", str(patch)],
+            capture=True, check=False, quiet=True)
+    if r.returncode == 0:
+        _git(tree, "commit", "-q", "--no-verify", "-m", f"{patch.name} (plain diff)")
+    return r
+
+
 def prepare_tree(fl: Flavor, pristine: Path, want: str) -> Path:
     """The flavor's git tree at base + its series (want = series hash)."""
     tree = tree_dir(fl)
@@ -128,8 +143,7 @@ def prepare_tree(fl: Flavor, pristine: Path, want: str) -> Path:
     _git(tree, "reset", "-q", "--hard", "base")
     _git(tree, "clean", "-fdq")
     for p in patches:
-        r = run(["git", *GIT_ID, "-C", str(tree), "am", "-q", "--keep-cr", str(p)],
-                capture=True, check=False, quiet=True)
+        r = _apply(tree, p)
         if r.returncode != 0:
             msg = _am_failure(p, (r.stdout or "") + (r.stderr or ""))
             _git(tree, "am", "--abort", check=False)
