@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.cmd in ("fuzz", "fuzz-prereqs"):
         from . import fuzz as fuzz_mod
+        if a.cmd == "fuzz":
+            fuzz_mod.check_flavor(mx.flavor(a.flavor))
         require_root()
         deps_mod.deps()
         deps_mod.ensure_apt(fuzz_mod.FUZZ_APT)

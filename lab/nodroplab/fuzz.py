@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -35,7 +36,8 @@ import urllib.request
 from pathlib import Path
 
 from .common import LAB_DIR, REPO, RESULTS, LabError, cache_dir, run, say, timestamp
-from .kernel import Built, tree_dir
+from .kernel import Built, _fragment_wants
+from .matrix import Flavor
 
 FUZZ_FILE = LAB_DIR / "fuzz.toml"
 DESCRIPTIONS = REPO / "fuzz" / "sys"
@@ -111,9 +113,16 @@ def syzkaller(cfg: dict) -> Path:
     h = hashlib.sha256()
     _hash_tree(h, DESCRIPTIONS)
     dest = cache_dir() / "syzkaller" / f"{commit[:12]}-{h.hexdigest()[:12]}"
-    ok = dest / ".nodrop-built"
-    if ok.exists():
-        return dest
+    if not (dest / ".nodrop-built").exists():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(dest.parent / "build.lock", "w") as lk:
+            fcntl.flock(lk, fcntl.LOCK_EX)
+            if not (dest / ".nodrop-built").exists():
+                _build_syzkaller(commit, dest)
+    return dest
+
+
+def _build_syzkaller(commit: str, dest: Path) -> None:
     mirror = Path(os.environ.get("NODROP_SYZKALLER_GIT", DEFAULT_MIRROR))
     r = run(["git", "-C", str(mirror), "cat-file", "-e", f"{commit}^{{commit}}"],
             check=False, capture=True, quiet=True)
@@ -174,22 +183,40 @@ def syzkaller(cfg: dict) -> Path:
         shutil.rmtree(dest)
     tmp.rename(dest)
     say(f"syzkaller {commit[:12]}: built in {time.monotonic() - t0:.0f}s -> {dest}")
-    return dest
 
 
 # --- image -----------------------------------------------------------------------
 
 def image() -> tuple[Path, Path]:
     """(image file, ssh private key) of the lab's fuzz image, made once."""
-    from .rootfs import APT, POLICY_RC, _with_debs, chroot
     spec = json.dumps([IMAGE_SUITE, IMAGE_PACKAGES, IMAGE_SIZE, INIT_SCRIPT, SSHD_CONFIG, 1])
     d = cache_dir() / "fuzz" / f"image-{hashlib.sha256(spec.encode()).hexdigest()[:12]}"
     img, key = d / "image.ext4", d / "key"
     if (d / ".ok").exists():
         return img, key
+    d.parent.mkdir(parents=True, exist_ok=True)
+    with open(d.parent / "image.lock", "w") as lk:
+        fcntl.flock(lk, fcntl.LOCK_EX)
+        if not (d / ".ok").exists():
+            _make_image(d)
+    return img, key
+
+
+def _rmtree_unmounted(path: Path) -> None:
+    """rmtree, but never through a mount point (a debootstrap killed midway
+    can leave /proc mounted in its target)."""
+    mounts = [ln.split()[1] for ln in Path("/proc/mounts").read_text().splitlines()]
+    inside = [m for m in mounts if m == str(path) or m.startswith(str(path) + "/")]
+    if inside:
+        raise LabError(f"{path}: still mounted ({', '.join(inside)}): umount, then retry")
+    shutil.rmtree(path)
+
+
+def _make_image(d: Path) -> None:
+    from .rootfs import APT, POLICY_RC, _with_debs, chroot
     tmp = d.with_name(d.name + ".tmp")
     if tmp.exists():
-        shutil.rmtree(tmp)
+        _rmtree_unmounted(tmp)
     root = tmp / "root"
     tmp.mkdir(parents=True)
     log = tmp / "build.log"
@@ -230,8 +257,7 @@ def image() -> tuple[Path, Path]:
     if d.exists():
         shutil.rmtree(d)
     tmp.rename(d)
-    say(f"fuzz image ready: {img}")
-    return img, key
+    say(f"fuzz image ready: {d / 'image.ext4'}")
 
 
 # --- the run -------------------------------------------------------------------
@@ -300,6 +326,8 @@ def _slug(title: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", title).strip("_")[:100]
 
 
+SMOKE_BOOT = 1800      # seconds a smoke run waits for the first execution
+
 CRASH_FILES = ("description", "report0", "repro.prog", "repro.cprog", "repro.report",
                "repro.log")
 
@@ -345,15 +373,13 @@ def _changed_lines(tree: Path, paths: list[str]) -> dict[str, set[int]]:
     return out
 
 
-def coverage(port: int, b: Built, cfg: dict) -> dict:
+def coverage(port: int, changed: dict[str, set[int]], paths: list[str]) -> dict:
     """Line coverage of the functions our series adds or changes.
 
     A function counts as changed when one of its instrumented lines lies in a
     line the series adds or changes (git diff base..HEAD in the flavor's tree).
     Lines = source lines with at least one KCOV callback (syzkaller's frames,
     inlined copies included); covered = at least one of them hit."""
-    paths = cfg["coverage"]["paths"]
-    changed = _changed_lines(b.source_tree, paths) if b.flavor.series else {}
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/cover?jsonl=1",
                                     timeout=1800) as r:
@@ -381,6 +407,17 @@ def coverage(port: int, b: Built, cfg: dict) -> dict:
             "percent": round(100.0 * cov / tot, 1) if tot else None}
 
 
+def check_flavor(fl: Flavor) -> None:
+    """Refuse a flavor without KCOV and KASAN before spending a build on it."""
+    wants = _fragment_wants(fl.fragments)
+    missing = [o for o in ("CONFIG_KCOV", "CONFIG_KASAN", "CONFIG_DEBUG_FS")
+               if wants.get(o) != "y"]
+    if missing:
+        raise LabError(f"{fl.name} is not a fuzz flavor ({', '.join(missing)} not set by its "
+                       f"fragments): use nodrop-6.12-fuzz or seed-v1-6.12, or add "
+                       f"lab/config/fuzz.config to it (docs/fuzz.md)", rc=2)
+
+
 def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
     cfg = load_cfg()
     syz = syzkaller(cfg)
@@ -399,6 +436,10 @@ def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
     run_id = timestamp()
     out = RESULTS / "fuzz" / b.flavor.name / run_id
     out.mkdir(parents=True, exist_ok=True)
+    # the series' lines now: the flavor's tree is shared with other flavors
+    # of the same series directory and may be re-patched while we fuzz
+    paths = cfg["coverage"]["paths"]
+    changed = _changed_lines(b.source_tree, paths) if b.flavor.series else {}
     port = _free_port()
     mcfg = manager_config(cfg, b, syz, img, key, workdir, port)
     (out / "manager.json").write_text(json.dumps(mcfg, indent=2) + "\n")
@@ -416,12 +457,18 @@ def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
                                 start_new_session=True)
     first_crash = None
     stats: dict[str, float] = {}
+    # smoke: DURATION of executing programs, after the VM's boot (up to SMOKE_BOOT)
+    deadline = t0 + (SMOKE_BOOT if smoke else duration)
     try:
-        while time.monotonic() - t0 < duration and proc.poll() is None:
+        while time.monotonic() < deadline and proc.poll() is None:
             time.sleep(15)
             s = _metrics(port)
             if s:
                 stats = s
+            if smoke and deadline - t0 == SMOKE_BOOT and stats.get("syz_exec_total", 0) > 0:
+                say(f"{b.flavor.name}: smoke: programs executing after "
+                    f"{time.monotonic() - t0:.0f}s; {duration}s more")
+                deadline = time.monotonic() + duration
             if first_crash is None and stats.get("syz_crash_total", 0) > 0:
                 first_crash = round(time.monotonic() - t0)
                 say(f"{b.flavor.name}: first crash after {first_crash}s")
@@ -434,7 +481,7 @@ def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
             tail = "\n  ".join(log.read_text(errors="replace").splitlines()[-20:])
             raise LabError(f"{b.flavor.name}: syz-manager exited early (exit "
                            f"{proc.returncode}); last lines of {log}:\n  {tail}")
-        cover = coverage(port, b, cfg) if not smoke else {}
+        cover = coverage(port, changed, paths) if not smoke else {}
     finally:
         _stop(proc)
     elapsed = round(time.monotonic() - t0)
