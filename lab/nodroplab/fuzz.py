@@ -167,7 +167,7 @@ def _build_syzkaller(commit: str, dest: Path) -> None:
     tail = "\n  ".join(log.read_text(errors="replace").splitlines()[-15:])
     if r.returncode != 0:
         hint = ""
-        if re.search(r"cannot find -l|static|libstdc\+\+|crt1", tail):
+        if re.search(r"cannot find -l|crt1\.o", tail):
             hint = ("\n  (syz-executor links statically: apt-get install g++ libc6-dev "
                     "libstdc++-12-dev)")
         elif "proxy.golang.org" in tail or "dial tcp" in tail:
