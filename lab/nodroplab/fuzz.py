@@ -252,7 +252,7 @@ def _make_image(d: Path) -> None:
     (root / "etc/fstab").write_text("")
     run(["mkfs.ext4", "-q", "-F", "-L", "nodrop-fuzz", "-d", str(root),
          str(tmp / "image.ext4"), IMAGE_SIZE], log=log, quiet=True)
-    shutil.rmtree(root)
+    _rmtree_unmounted(root)
     (tmp / ".ok").write_text("\n")
     if d.exists():
         shutil.rmtree(d)
