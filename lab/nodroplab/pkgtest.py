@@ -12,15 +12,14 @@ in two phases so that the first can overlap the kernel builds:
     chroot as a user would (dkms builds tun + vhost_net); host checks: dkms
     status, modinfo, other kernels skipped, unsupported kernel refused
     naming the supported ones. State in <results>/<flavor>/prepared.json.
-  boot (after the kernel flavors' rows), ONE boot of Debian's
-  /boot/vmlinuz-<kernel> with that copy as its root (vng --root):
-    tests/package (NODROP_EXPECT=package) and the guest selection; then the
-    guest waits while the host runs `apt-get remove nodrop-dkms` in the
-    chroot of the same tree (host checks: modules gone, stock ones resolved),
-    and goes on as a user would: `modprobe -r vhost_net tun`, tests/package
-    (NODROP_EXPECT=stock) and the burst test (stock: 975 of 1000 dropped).
-  after the boot, in the chroot: a dkms build failure and missing headers
-  each fail with a clear message and leave the stock modules in place.
+  boots (after the kernel flavors' rows): Debian's /boot/vmlinuz-<kernel>
+  with that copy as its root (vng --root): tests/package
+  (NODROP_EXPECT=package) and the guest selection, in one pytest run;
+  `apt-get remove nodrop-dkms` in the chroot (checks: modules gone, stock
+  ones resolved); boot again: tests/package (NODROP_EXPECT=stock) and the
+  burst test (stock: 975 of 1000 dropped); then, in the chroot, a dkms
+  build failure and missing headers each fail with a clear message and
+  leave the stock modules in place.
 
 Host-side checks are written as junit (junit-host.xml) so they count in the
 table like the guest tests.
@@ -36,7 +35,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -65,8 +63,6 @@ REMOVED = ["test_burst.py::test_burst_taildrop[tun]"]
 GUEST_PY = "/usr/bin/python3"        # Debian's python3 + python3-pytest in the rootfs
 DEB_IN_ROOT = "/var/tmp"
 PREPARED = "prepared.json"
-REMOVE_ASK, REMOVE_DONE = ".nodrop/remove-now", ".nodrop/removed"   # guest <-> host
-REMOVE_WAIT_S = 900
 PREPARE_LOG = "package-prepare.log"
 
 
@@ -124,59 +120,21 @@ def _modinfo_origin(root: Path, kver: str, log: Path) -> dict[str, str]:
     return got
 
 
-def _pytest(rw: Path, name: str, paths: list[str], expect: str) -> list[str]:
-    """Guest shell lines: one pytest run (tests/package first, then `paths`),
-    its junit and rc files (suite `name`). One run per state: every pytest
-    start-up costs tens of seconds under TCG. -c: tests/guest's pytest.ini
-    (junit properties) for both directories."""
+def _guest_command(rw: Path, paths: list[str]) -> str:
+    """tests/package first, then `paths`, in ONE pytest start-up (each costs
+    tens of seconds under TCG on Debian's Python over 9p); -c: tests/guest's
+    pytest.ini (junit properties) for both directories."""
     q = shlex.quote
-    return [f"NODROP_EXPECT={expect} {GUEST_PY} -m pytest -c tests/guest/pytest.ini "
-            f"--rootdir=tests tests/package {' '.join(q(x) for x in paths)} "
-            f"-p no:cacheprovider -v --junitxml={q(str(rw / f'junit-{name}.xml'))}",
-            f"echo $? > {q(str(rw / '.nodrop' / f'rc-{name}'))}"]
-
-
-# the boot's two pytest runs: (suite name, NODROP_EXPECT)
-GUEST_SUITES = [("package", "package"), ("removed", "stock")]
-
-
-def _guest_command(rw: Path, selection: list[str]) -> str:
-    """With the package: tests/package + the selection; then the host removes
-    the package (apt-get remove in the chroot of this very root, asked for
-    through REMOVE_ASK, done when REMOVE_DONE exists), the guest unloads the
-    modules as the docs tell users (modprobe -r), and checks stock behaviour."""
-    q = shlex.quote
-    ask, done = q(str(rw / REMOVE_ASK)), q(str(rw / REMOVE_DONE))
-
-    def mark(what: str) -> str:
-        return f"echo {what} $(cut -d' ' -f1 /proc/uptime) >> {q(str(rw / 'guest-times'))}"
     return "\n".join([
-        f"cd {q(str(REPO))}", mark("start"),
+        f"cd {q(str(REPO))}",
         "modprobe tun; modprobe vhost_net; modprobe pktgen 2>/dev/null",
-        *_pytest(rw, "package", [f"tests/guest/{f}" for f in selection], "package"),
-        mark("with_package"),
-        f": > {ask}",
-        f"i=0; while [ ! -e {done} ] && [ $i -lt {REMOVE_WAIT_S} ]; do sleep 1; i=$((i+1)); done",
-        "modprobe -r vhost_net tun 2>&1; modprobe tun; modprobe vhost_net", mark("remove"),
-        *_pytest(rw, "removed", [f"tests/guest/{f}" for f in REMOVED], "stock"),
-        mark("removed")])
+        f"{GUEST_PY} -m pytest -c tests/guest/pytest.ini --rootdir=tests tests/package "
+        + " ".join(q(f"tests/guest/{f}") for f in paths)
+        + f" -p no:cacheprovider -v --junitxml={q(str(rw / 'junit.xml'))}",
+        f"echo $? > {q(str(rw / '.nodrop' / 'rc-guest'))}"])
 
 
-def _guest_times(rw: Path) -> dict[str, float]:
-    """Guest seconds per part, from the uptime marks of _guest_command."""
-    try:
-        marks = [ln.split() for ln in (rw / "guest-times").read_text().splitlines()]
-    except OSError:
-        return {}
-    out, prev = {}, None
-    for what, t in marks:
-        if prev is not None:
-            out[f"guest_{what}"] = round(float(t) - prev, 1)
-        prev = float(t)
-    return out
-
-
-def _boot(rf: RootfsFlavor, root: Path, rw: Path, selection: list[str],
+def _boot(rf: RootfsFlavor, root: Path, rw: Path, paths: list[str], expect: str,
           version: str) -> tuple[dict, object]:
     rw.mkdir(parents=True, exist_ok=True)
     for d in (REPO / "tests", REPO / "tools", rw):      # mount points in the guest root
@@ -189,20 +147,18 @@ def _boot(rf: RootfsFlavor, root: Path, rw: Path, selection: list[str],
            "NODROP_FLAVOR": rf.name, "NODROP_RESULTS": str(rw),
            "NODROP_TOOLS": str(TOOLS_OUT), "NODROP_REPO": str(REPO),
            "NODROP_PYTHON": GUEST_PY, "NODROP_KERNELRELEASE": rf.kernel,
-           "NODROP_DKMS_VERSION": version}
-    res = boot_and_run(root / rf.vmlinuz.lstrip("/"), _guest_command(rw, selection),
+           "NODROP_EXPECT": expect, "NODROP_DKMS_VERSION": version}
+    res = boot_and_run(root / rf.vmlinuz.lstrip("/"), _guest_command(rw, paths),
                        rw, env=env, cwd=REPO, timeout=timeout_s(3600), root=root,
                        shares=shares)
-    counts = {"passed": 0, "failed": 0, "skipped": 0, "notes": []}
-    for name, _ in GUEST_SUITES:
-        r = _suite_result(rw, name, f"junit-{name}.xml")
-        for k in ("passed", "failed", "skipped"):
-            counts[k] += r[k]
-        counts["notes"] += r["notes"]
+    r = _suite_result(rw, "guest", "junit.xml")
+    counts = {k: r[k] for k in ("passed", "failed", "skipped")}
+    counts["notes"] = [f"{rw.name}: {n}" for n in r["notes"]]
     if res.rc is None:
         counts["failed"] = max(counts["failed"], 1)
-        counts["notes"].append("boot failed" if not res.booted else "guest died")
-        say(report_failure(res, rf.name))
+        counts["notes"].append(f"{rw.name}: " + ("boot failed" if not res.booted
+                                                 else "guest died"))
+        say(report_failure(res, f"{rf.name} ({rw.name})"))
     return counts, res
 
 
@@ -291,7 +247,7 @@ def prepare(rf: RootfsFlavor, rw: Path, deb: Path, work: Path) -> None:
     save()
 
 
-# --- phase 2: boot, remove in the guest, failure paths ----------------------------
+# --- phase 2: boots, removal, failure paths ----------------------------------------
 
 def finish(rf: RootfsFlavor, rw: Path, selection: list[str]) -> dict:
     """The boot and the checks after it, from rw/prepared.json; one table row."""
@@ -325,6 +281,19 @@ def finish(rf: RootfsFlavor, rw: Path, selection: list[str]) -> dict:
             row[k] += counts[k]
         row["notes"] += counts["notes"]
 
+    def timed_boot(sub: str, paths: list[str], expect: str) -> None:
+        t0 = time.monotonic()
+        c, res = _boot(rf, root, rw / sub, paths, expect, version)
+        times[f"boot+tests_{sub}"] = round(time.monotonic() - t0, 1)
+        if res.boot_seconds:
+            times[f"boot_to_first_command_{sub}"] = round(res.boot_seconds, 1)
+        add(c)
+
+    # boot with the package
+    timed_boot("with-package", selection, "package")
+
+    # remove it, as a user would, in the chroot (in a running guest, dkms's
+    # depmod over 9p takes minutes and the guest then sees a stale module index)
     def remove():
         rc, out = _sh(root, f"apt-get remove -y -q {pkg}", log)
         _expect(rc == 0, f"apt-get remove {pkg}: exit {rc}", out)
@@ -338,37 +307,13 @@ def finish(rf: RootfsFlavor, rw: Path, selection: list[str]) -> dict:
             _expect(fn.startswith(f"/lib/modules/{rf.kernel}/kernel/drivers/"),
                     f"after removal modinfo {mod}: {fn}, expected the stock module")
         return out + json.dumps(got)
-
-    # The one boot. Mid-way the guest asks for the removal: apt-get remove
-    # runs on the host in the chroot of the same tree (dkms's depmod over 9p
-    # under TCG would take minutes), then the guest goes on with stock modules.
-    ask, done = rw / REMOVE_ASK, rw / REMOVE_DONE
-    removal: dict[str, bool] = {}
-    boot_over = threading.Event()
-
-    def remover() -> None:
-        while not boot_over.wait(1):
-            if ask.exists():
-                t0 = time.monotonic()
-                removal["ok"] = checks.run("remove_restores_stock", remove)
-                times["remove(host, guest waiting)"] = round(time.monotonic() - t0, 1)
-                done.write_text("ok\n" if removal["ok"] else "failed\n")
-                return
-    th = threading.Thread(target=remover, daemon=True)
-    th.start()
     t0 = time.monotonic()
-    c, res = _boot(rf, root, rw, selection, version)
-    boot_over.set()
-    th.join()
-    times["boot+guest"] = round(time.monotonic() - t0, 1)
-    if res.boot_seconds:
-        times["boot_to_first_command"] = round(res.boot_seconds, 1)
-    times.update(_guest_times(rw))
-    add(c)
-    if "ok" not in removal:
-        checks.cases.append(("remove_restores_stock", "the guest never asked for the removal "
-                             "(it did not boot or its tests did not finish)", 0.0, ""))
-    removed = removal.get("ok", False)
+    removed = checks.run("remove_restores_stock", remove)
+    times["remove"] = round(time.monotonic() - t0, 1)
+
+    # boot without it: stock behaviour
+    if removed:
+        timed_boot("removed", REMOVED, "stock")
 
     # failure paths (chroot only; the stock modules must stay resolved)
     def build_failure():
