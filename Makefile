@@ -1,8 +1,7 @@
 # NODROP top-level Makefile: thin wrappers around the lab orchestrator
 # (lab/nodroplab, Python 3 stdlib). See README.md and docs/lab.md.
 #
-#   make test                      deps, fetch, tools, build + boot + guest suite,
-#                                  nodrop-dkms on debian-12/13 (quick), chaos round
+#   make test                      deps, fetch, tools, build + boot + guest suite
 #   make test FLAVORS=mainline-7.3 other flavors (lab/flavors.toml)
 #   make chaos DURATION=600        debug flavors: chaos round (SEED=n reproduces one)
 #   make bench                     build, boot and benchmark the three flavors
@@ -11,7 +10,7 @@
 #   make run FLAVOR=stock-6.12 CMD='ip -s link'
 #   make tools | deps | fetch | flavors | kvm
 #   make dkms | package            nodrop-dkms source tree / .deb in dist/ (docs/dkms.md)
-#   make test-package              the .deb on Debian 12 and 13, whole files (FLAVORS=debian-12)
+#   make test-package              the .deb end to end on Debian 12 and 13 (FLAVORS=debian-12)
 
 PYTHON ?= python3
 LAB = PYTHONPATH=$(CURDIR)/lab PYTHONDONTWRITEBYTECODE=1 $(PYTHON) -m nodroplab
@@ -46,4 +45,4 @@ tools deps fetch flavors kvm dkms package:
 	@$(LAB) $@
 
 help:
-	@sed -n '1,15p' Makefile
+	@sed -n '1,14p' Makefile
