@@ -1,7 +1,8 @@
 """NODROP lab orchestrator: `python3 -m nodroplab <command>` (PYTHONPATH=lab).
 
 Commands: deps, fetch, kernel, run, test, chaos, bench, tools, flavors, kvm,
-dkms, package (docs/dkms.md).
+dkms, package, test-package (docs/dkms.md); package-prepare is test's
+background helper for the package rows (lab/nodroplab/pkgtest.py).
 Environment: NODROP_CACHE (default ~/.cache/nodrop), NODROP_JOBS (make -j),
 NODROP_KVM (auto|0|1), NODROP_TIMEOUT (guest command timeout, s),
 NODROP_PYTHON (interpreter for vng and the in-guest pytest).
@@ -12,13 +13,14 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from pathlib import Path
 
 from . import deps as deps_mod
 from .common import LabError, require_root, say
 from .fetch import fetch_all
 from .kernel import kernel
 from .matrix import load
-from .pkgtest import package_rows
+from . import pkgtest
 from .rootfs import load_rootfs
 from .suite import build_tools, cmd_bench, cmd_chaos, cmd_run, cmd_test
 from .vm import kvm_probe
@@ -27,6 +29,19 @@ from .vm import kvm_probe
 def _flavors(mx, names, default):
     names = names or default
     return [mx.flavor(n) for n in names]          # unknown name -> LabError listing valid ones
+
+
+def _rootfs(rootfs, name):
+    if name not in rootfs:
+        raise LabError(f"[matrix] package: unknown root-filesystem flavor {name!r}; "
+                       f"valid: {', '.join(rootfs)}", rc=2)
+    return rootfs[name]
+
+
+def dkms_source(mx):
+    """The kernel source the package is generated from ([dkms] source)."""
+    from .dkms import spec
+    return spec(mx).flavor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=int, required=True)
     p.add_argument("--smoke", action="store_true")
     sub.add_parser("fuzz-prereqs", help="build the pinned syzkaller and the fuzz image")
+    p = sub.add_parser("package-prepare", help="(internal) the package rows' preparation: "
+                                               ".deb, rootfs, install; see pkgtest.py")
+    p.add_argument("out")
+    p.add_argument("flavors", nargs="+")
     sub.add_parser("tools", help="make -C tools OUT=<repo>/tools/build")
     sub.add_parser("flavors", help="list the flavors of lab/flavors.toml")
     sub.add_parser("kvm", help="probe whether QEMU can use KVM here")
@@ -133,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
             raise LabError("run: no command given (make run FLAVOR=x CMD='...')", rc=2)
         deps_mod.deps()
         return cmd_run(fl, " ".join(cmd))
+    if a.cmd == "package-prepare":
+        require_root()
+        return pkgtest.prepare_all([rootfs[n] for n in a.flavors], Path(a.out))
     if a.cmd == "test-package" or (a.cmd == "test" and any(n in rootfs for n in a.flavors)):
         names = a.flavors or list(rootfs)
         rfs = [rootfs[n] for n in names if n in rootfs]
@@ -142,17 +164,20 @@ def main(argv: list[str] | None = None) -> int:
                            f"{', '.join(kernel_names)}; valid: {', '.join(rootfs)}", rc=2)
         fls = [mx.flavor(n) for n in kernel_names]
         deps_mod.deps()
-        deps_mod.ensure_apt(deps_mod.PACKAGE_APT)
-        fetch_all(list({f.source.name: f.source for f in fls}.values()))
-        return cmd_test(fls, [], extra_rows=lambda out: package_rows(rfs, out),
+        fetch_all(list({f.source.name: f.source for f in fls + [dkms_source(mx)]}.values()))
+        selection = pkgtest.FULL if a.cmd == "test-package" else pkgtest.QUICK
+        return cmd_test(fls, [], package=pkgtest.PackageTests(rfs, selection),
                         model=a.cmd == "test")
     if a.cmd == "test":
         fls = _flavors(mx, a.flavors, mx.test_default)
-        # the short chaos round: first [matrix] chaos flavor, default run only
+        # the short chaos round (first [matrix] chaos flavor) and the package
+        # rows ([matrix] package, quick selection): default run only
         chaos = [] if a.flavors else [mx.flavor(n) for n in mx.chaos_default[:1]]
+        rfs = [] if a.flavors else [_rootfs(rootfs, n) for n in mx.package_default]
         deps_mod.deps()
-        fetch_all(list({f.source.name: f.source for f in fls + chaos}.values()))
-        return cmd_test(fls, chaos)
+        fetch_all(list({f.source.name: f.source
+                        for f in fls + chaos + ([dkms_source(mx)] if rfs else [])}.values()))
+        return cmd_test(fls, chaos, package=pkgtest.PackageTests(rfs, pkgtest.QUICK))
     if a.cmd == "chaos":
         fls = _flavors(mx, a.flavors, mx.chaos_default)
         deps_mod.deps()

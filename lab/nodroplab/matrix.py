@@ -89,6 +89,7 @@ class Matrix:
     test_default: list[str] = field(default_factory=list)
     bench_default: list[str] = field(default_factory=list)
     chaos_default: list[str] = field(default_factory=list)
+    package_default: list[str] = field(default_factory=list)   # root-filesystem flavors
 
     def flavor(self, name: str) -> Flavor:
         if name not in self.flavors:
@@ -135,7 +136,7 @@ def load(path: Path = MATRIX_FILE) -> Matrix:
             fragments=frags, localversion=f.get("localversion", ""))
     m = data.get("matrix", {})
     mx = Matrix(sources, flavors, list(m.get("test", [])), list(m.get("bench", [])),
-                list(m.get("chaos", [])))
+                list(m.get("chaos", [])), list(m.get("package", [])))
     for n in mx.test_default + mx.bench_default + mx.chaos_default:
         mx.flavor(n)
     return mx

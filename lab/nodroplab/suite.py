@@ -221,24 +221,31 @@ def _suite_result(rw: Path, name: str, junit: str) -> dict:
             "notes": notes}
 
 
-def cmd_test(flavors: list[Flavor], chaos: list[Flavor], extra_rows=None,
+def cmd_test(flavors: list[Flavor], chaos: list[Flavor], package=None,
              model: bool = True) -> int:
     """The guest suite on each flavor, a short chaos round on each chaos
-    flavor, and the LKMM model row. extra_rows(out) -> rows: other row
-    producers (the root-filesystem flavors, lab/nodroplab/pkgtest.py)."""
+    flavor, and the LKMM model row. package: the nodrop-dkms rows
+    (pkgtest.PackageTests), prepared in the background from the start,
+    booted after the kernel flavors' rows."""
     rows, tools = _tools_row()
     out = new_results_dir("test")
     say(f"results: {out}")
-    if model:
-        rows.append(_model_row(out))
-    for fl in flavors:
-        rows.append(_suites_row(fl, ["selftest", "guest"], out / fl.name, tools, {}))
-    if extra_rows is not None:
-        rows += extra_rows(out)
-    for fl in chaos:
-        dur = os.environ.get("DURATION") or str(CHAOS_DEFAULT_S)
-        rows.append(_suites_row(fl, ["chaos"], out / f"{fl.name}-chaos", tools,
-                                {"DURATION": dur}, label=f"{fl.name} (chaos {dur}s)"))
+    try:
+        if package is not None:
+            package.start(out)
+        if model:
+            rows.append(_model_row(out))
+        for fl in flavors:
+            rows.append(_suites_row(fl, ["selftest", "guest"], out / fl.name, tools, {}))
+        if package is not None:
+            rows += package.rows()
+        for fl in chaos:
+            dur = os.environ.get("DURATION") or str(CHAOS_DEFAULT_S)
+            rows.append(_suites_row(fl, ["chaos"], out / f"{fl.name}-chaos", tools,
+                                    {"DURATION": dur}, label=f"{fl.name} (chaos {dur}s)"))
+    finally:
+        if package is not None:
+            package.stop()
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     return _print_table(rows, out)
 
