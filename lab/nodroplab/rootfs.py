@@ -24,7 +24,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 import shlex
 import shutil
 import subprocess
