@@ -276,12 +276,17 @@ def mech_rates(m0: dict, m1: dict, seconds: float | None = None) -> dict:
 
 
 # --- configurations ------------------------------------------------------------
-def configs(bp_ok: bool, qlen: int | None = None) -> list[dict]:
+def configs(bp_ok: bool, qlen: int | None = None, bql_ok: bool = False) -> list[dict]:
     """stock: no flag, the device's default qdisc; bp: IFF_BACKPRESSURE +
-    fq_codel (default parameters: real AQM), only where the kernel has it."""
+    fq_codel (default parameters: real AQM), only where the kernel has it;
+    bp-nobql: bp with BQL off (limit_min = limit_max), only where the
+    kernel shows byte_queue_limits for tun (ours)."""
     c = [{"name": "stock", "flag": 0, "qdisc": None, "qlen": qlen}]
     if bp_ok:
         c.append({"name": "bp", "flag": BP, "qdisc": "fq_codel", "qlen": qlen})
+    if bp_ok and bql_ok:
+        c.append({"name": "bp-nobql", "flag": BP, "qdisc": "fq_codel", "qlen": qlen,
+                  "bql": "off"})
     return c
 
 
@@ -636,6 +641,8 @@ def pktgen_point(tools: str, cfg: dict, threads: int, mode: str, vnet: bool,
             reader = tl.Reader(procs.spawn(argv, text=False), "pg0")
             tl.setup_ip("pg0", tap=True, txqueuelen=cfg.get("qlen") or 500)
             point["qdisc"] = apply_dev("pg0", cfg)
+            if cfg.get("bql") == "off":
+                set_bql_off(Sysfs(procs), "pg0", True)
             devs = pktgen_setup("pg0", threads, mode)
             if devs is None:
                 point["error"] = f"fewer than {threads} pktgen threads"
@@ -682,6 +689,15 @@ def say_pktgen(tag: str, pt: dict) -> None:
         f"requeues/kpkt {summ(r, 'requeues_per_kpkt')}")
 
 
+def has_bql_sysfs() -> bool:
+    """A tun with backpressure shows byte_queue_limits (our kernel)."""
+    t = tl.Tun("ndbqlprobe", IFF_TUN | IFF_NO_PI | BP)
+    try:
+        return os.path.isdir(f"/sys/class/net/{t.name}/queues/tx-0/byte_queue_limits")
+    finally:
+        t.close()
+
+
 class Ctx:
     """What every scenario gets: QUICK, REPS, DURATION override, tools
     directory, and whether the kernel has IFF_BACKPRESSURE."""
@@ -692,6 +708,7 @@ class Ctx:
         self.duration = duration
         self.tools = tools
         self.bp = tl.has_backpressure()
+        self.bql = self.bp and has_bql_sysfs()
 
     def dur(self, full: float, quick: float) -> float:
         if self.duration:
