@@ -234,3 +234,48 @@ def test_bql_lifecycle(env, path, record_property):
         wait_backlog_zero(t.name)
         quiesce([reader])
         drain(env, t, reader, reader.stat()["per_id"][1])
+
+
+def test_bql_vhost_giveback(env, record_property):
+    """vhost-net holds a batch it took (completed for BQL) when its backend
+    is detached: the entries it gives back (tun_ring_unconsume()) are
+    accounted as queued again, so the in-flight bytes are exactly those of
+    the ring. Without that they would be missing from inflight (the next
+    completion would be cut to what is in flight, and the ring could hold
+    more than the limit)."""
+    from test_vhost import VHOST_DEV, settle
+    if not os.path.exists(VHOST_DEV):
+        pytest.skip(f"no {VHOST_DEV}")
+    bufs = 8
+    t = env.tun("ndbqlv0", IFF_TAP | IFF_NO_PI | env.bp_flag())
+    if bql(t.name) is None:
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0012)")
+    setup_ip(t.name, tap=True)
+    set_fq_codel(t.name)
+    rx = env.vhostrx(t, paused=True, bufs=bufs)
+    # fill the posted buffers, then vhost takes a batch it cannot place
+    for ident, n in ((3, bufs), (5, 60)):
+        r = env.burst(n, size=SIZE, ident=ident, sndbuf=SNDBUF)
+        assert r["ok"] == n, r
+        settle(t.name)
+    held = bql(t.name)
+    rx.detach()
+    settle(t.name)
+    q = qdisc_totals(t.name)
+    got = rx.stat()["pkts"]
+    in_ring = q["packets"] - got - tx_dropped(t.name)
+    b = bql(t.name)
+    summary = (f"before detach bql {held}; after: qdisc {qsummary(root_qdisc(t.name))}, "
+               f"consumer got {got}, in the ring {in_ring}, bql {b}")
+    log(summary)
+    record_property("bql_after_giveback", str(b))
+    assert in_ring > 0, f"vhost held nothing to give back; {summary}"
+    assert b["inflight"] == in_ring * wire_bytes(True), summary
+    rx.attach()
+    rx.go()
+    r = rx.wait("id5", 60, stall_s=60)
+    assert r["result"] == "ok", f"STALL after give-back; {summary}"
+    wait_backlog_zero(t.name)
+    quiesce([rx])
+    assert tx_dropped(t.name) == 0
+    assert bql(t.name)["inflight"] == 0, bql(t.name)
