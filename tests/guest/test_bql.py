@@ -36,8 +36,8 @@ import time
 import pytest
 
 from test_lifecycle import quiesce
-from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TAP, IFF_TUN, has_priv_flag,
-                    log, qdisc_totals, qsummary, root_qdisc, set_fq_codel,
+from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TAP, IFF_TUN, bql, has_priv_flag,
+                    log, qdisc_totals, qsummary, root_qdisc, set_bql, set_fq_codel,
                     set_priv_flag, setup_ip, sh, tx_dropped, wait_backlog_zero)
 
 N = 200            # datagrams per burst
@@ -46,38 +46,6 @@ SNDBUF = 16 << 20
 FRESH = 100
 IP_UDP = 28        # IPv4 + UDP headers: bytes of one datagram on a tun
 ETH = 14
-
-
-def bql_dir(dev: str, queue: int = 0) -> str:
-    return f"/sys/class/net/{dev}/queues/tx-{queue}/byte_queue_limits"
-
-
-def _in_netns_sysfs(cmd: str) -> str:
-    """Run cmd with a sysfs of the caller's netns mounted (see
-    tunlib.tun_flags_sysfs: /sys shows the netns it was mounted in)."""
-    r = sh("unshare -m --propagation private sh -c "
-           f"'mount -t sysfs sysfs /sys && {cmd}'", check=False)
-    if r.returncode:
-        raise FileNotFoundError(r.stderr.strip())
-    return r.stdout
-
-
-def bql(dev: str, queue: int = 0) -> dict | None:
-    """The queue's byte_queue_limits files as ints, None without them."""
-    d = bql_dir(dev, queue)
-    try:
-        out = _in_netns_sysfs(f"cd {d} && grep . limit inflight limit_min limit_max")
-    except FileNotFoundError:
-        return None
-    vals = {}
-    for line in out.split():
-        k, v = line.split(":", 1)
-        vals[k] = int(v)
-    return vals
-
-
-def set_bql(dev: str, name: str, value: int, queue: int = 0) -> None:
-    _in_netns_sysfs(f"echo {value} > {bql_dir(dev, queue)}/{name}")
 
 
 @pytest.fixture(autouse=True)
