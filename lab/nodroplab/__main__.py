@@ -170,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                         model=a.cmd == "test")
     if a.cmd == "test":
         fls = _flavors(mx, a.flavors, mx.test_default)
-        # the short chaos round (first [matrix] chaos flavor) and the package
-        # rows ([matrix] package, quick selection): default run only
-        chaos = [] if a.flavors else [mx.flavor(n) for n in mx.chaos_default[:1]]
+        # the short chaos round on each tested flavor's debug sibling; the
+        # package rows ([matrix] package, quick selection): default run only
+        chaos = [mx.flavor(n) for n in dict.fromkeys(f.chaos for f in fls if f.chaos)]
         rfs = [] if a.flavors else [_rootfs(rootfs, n) for n in mx.package_default]
         deps_mod.deps()
         fetch_all(list({f.source.name: f.source

@@ -38,6 +38,7 @@ class Flavor:
     series: Path | None                # absolute path of the series file
     fragments: tuple[Path, ...]        # absolute paths, merge order
     localversion: str
+    chaos: str | None = None           # debug sibling: `make test` runs the chaos round on it
 
     def config_hash(self) -> str:
         """Everything that decides .config: method, fragments (content), localversion."""
@@ -102,6 +103,19 @@ def _rel(p: str) -> Path:
     return (REPO / p).resolve()
 
 
+def _check_chaos_sibling(path: Path, fl: Flavor, flavors: dict[str, Flavor]) -> None:
+    """A flavor's `chaos` names a flavor of the same source and series (its
+    debug build): the round must exercise the code the flavor ships."""
+    if fl.chaos is None:
+        return
+    sib = flavors.get(fl.chaos)
+    if sib is None:
+        raise LabError(f"{path}: flavor {fl.name}: chaos = {fl.chaos!r} is not a flavor")
+    if (sib.source, sib.series) != (fl.source, fl.series):
+        raise LabError(f"{path}: flavor {fl.name}: chaos = {fl.chaos!r} has another "
+                       f"source or series; a chaos sibling must build the same code")
+
+
 def load(path: Path = MATRIX_FILE) -> Matrix:
     try:
         data = tomllib.loads(path.read_text())
@@ -133,7 +147,10 @@ def load(path: Path = MATRIX_FILE) -> Matrix:
         flavors[name] = Flavor(
             name=name, description=f.get("description", ""), source=sources[src],
             series=_rel(f["series"]) if f.get("series") else None,
-            fragments=frags, localversion=f.get("localversion", ""))
+            fragments=frags, localversion=f.get("localversion", ""),
+            chaos=f.get("chaos"))
+    for fl in flavors.values():
+        _check_chaos_sibling(path, fl, flavors)
     m = data.get("matrix", {})
     mx = Matrix(sources, flavors, list(m.get("test", [])), list(m.get("bench", [])),
                 list(m.get("chaos", [])), list(m.get("package", [])))
