@@ -39,6 +39,7 @@ class Flavor:
     fragments: tuple[Path, ...]        # absolute paths, merge order
     localversion: str
     chaos: str | None = None           # debug sibling: `make test` runs the chaos round on it
+    known_failures: tuple[str, ...] = ()   # "test_x.py::test_y": a measured defect of this kernel
 
     def config_hash(self) -> str:
         """Everything that decides .config: method, fragments (content), localversion."""
@@ -148,7 +149,8 @@ def load(path: Path = MATRIX_FILE) -> Matrix:
             name=name, description=f.get("description", ""), source=sources[src],
             series=_rel(f["series"]) if f.get("series") else None,
             fragments=frags, localversion=f.get("localversion", ""),
-            chaos=f.get("chaos"))
+            chaos=f.get("chaos"),
+            known_failures=tuple(f.get("known_failures", [])))
     for fl in flavors.values():
         _check_chaos_sibling(path, fl, flavors)
     m = data.get("matrix", {})
