@@ -200,11 +200,22 @@ def test_lifecycle_txqueuelen_extremes(env, record_property):
         except AssertionError as e:
             # mainline 7.3 sizes the ring from txqueuelen 0 and stops the
             # queue for good: recorded on a backpressure kernel without our
-            # extension, a failure on ours
+            # extension (with whether a later txqueuelen 1 recovers it), a
+            # failure on ours
             if env.bp and not has_priv_flag(dev, "backpressure"):
+                state = (f"tx_dropped={tx_dropped(dev)} "
+                         f"qdisc {qsummary(root_qdisc(dev))}")
+                sh(f"ip link set dev {dev} txqueuelen 1")
+                try:
+                    progress(env, dev, [reader], "txqueuelen 1 after the stall")
+                    after = "flows again after txqueuelen 1"
+                except AssertionError as e1:
+                    after = f"txqueuelen 1 does not recover it: {e1}"
                 record_property("stalled_at_txqueuelen", qlen)
+                record_property("stall_state", state)
+                record_property("after_stall", after)
                 pytest.xfail(f"RECORDED: a backpressure kernel without our ring "
-                             f"sizing stalls for good: {e}")
+                             f"sizing stalls at txqueuelen {qlen}: {e}; {state}; {after}")
             raise
     sh(f"ip link set dev {dev} txqueuelen {RING}")
     record_property("txqueuelen", seen)
