@@ -198,10 +198,11 @@ def test_lifecycle_txqueuelen_extremes(env, record_property):
         try:
             progress(env, dev, [reader], f"txqueuelen {qlen} ({seen[qlen]})")
         except AssertionError as e:
-            # mainline 7.3 sizes the ring from txqueuelen 0 and stops the
-            # queue for good: recorded on a backpressure kernel without our
-            # extension (with whether a later txqueuelen 1 recovers it), a
-            # failure on ours
+            # mainline 7.3 sizes the ring from txqueuelen 0: a ring that
+            # takes nothing, and a queue it never stops, so the driver drops
+            # everything while txqueuelen is 0. Recorded on a backpressure
+            # kernel without our extension (with the counters and whether
+            # txqueuelen 1 makes it flow again), a failure on ours
             if env.bp and not has_priv_flag(dev, "backpressure"):
                 state = (f"tx_dropped={tx_dropped(dev)} "
                          f"qdisc {qsummary(root_qdisc(dev))}")
@@ -215,7 +216,8 @@ def test_lifecycle_txqueuelen_extremes(env, record_property):
                 record_property("stall_state", state)
                 record_property("after_stall", after)
                 pytest.xfail(f"RECORDED: a backpressure kernel without our ring "
-                             f"sizing stalls at txqueuelen {qlen}: {e}; {state}; {after}")
+                             f"sizing delivers nothing at txqueuelen {qlen}: {e}; "
+                             f"{state}; {after}")
             raise
     sh(f"ip link set dev {dev} txqueuelen {RING}")
     record_property("txqueuelen", seen)
