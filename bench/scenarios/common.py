@@ -508,6 +508,10 @@ def pktgen_setup(dev: str, threads: int, mode: str, udp_dst: tuple[int, int] = (
     ths = sorted(n for n in os.listdir(PG) if n.startswith("kpktgend_"))[:threads]
     if len(ths) < threads:
         return None
+    # udp_dst is inclusive; pktgen's udp_dst_max is exclusive when it steps
+    # through a range (net/core/pktgen.c: cur >= max wraps to min), so
+    # (9, 10) must be written as 9..11 or port 10 is never sent
+    udp_dst_max = udp_dst[1] + 1 if udp_dst[1] > udp_dst[0] else udp_dst[1]
     devs = []
     for i, th in enumerate(ths):
         pg_write(f"{PG}/{th}", "rem_device_all")
@@ -518,7 +522,7 @@ def pktgen_setup(dev: str, threads: int, mode: str, udp_dst: tuple[int, int] = (
                   "delay 0", f"xmit_mode {mode}", f"dst {tl.PEER_IP}",
                   f"src_min {tl.LOCAL_IP}", f"src_max {tl.LOCAL_IP}",
                   f"dst_mac {tl.PEER_MAC}", f"udp_dst_min {udp_dst[0]}",
-                  f"udp_dst_max {udp_dst[1]}"):
+                  f"udp_dst_max {udp_dst_max}"):
             pg_write(dp, c)
         devs.append(dp)
     return devs
