@@ -213,23 +213,16 @@ def _rmtree_unmounted(path: Path) -> None:
 
 
 def _make_image(d: Path) -> None:
-    from .rootfs import APT, POLICY_RC, _with_debs, chroot
+    from .rootfs import APT, POLICY_RC, _with_debs, chroot, debootstrap
     tmp = d.with_name(d.name + ".tmp")
     if tmp.exists():
         _rmtree_unmounted(tmp)
     root = tmp / "root"
     tmp.mkdir(parents=True)
     log = tmp / "build.log"
-    debs = cache_dir() / "rootfs" / "debs" / IMAGE_SUITE
-    debs.mkdir(parents=True, exist_ok=True)
     mirror = "http://deb.debian.org/debian"
     say(f"fuzz image: debootstrap {IMAGE_SUITE} + {', '.join(IMAGE_PACKAGES)} (log: {log})")
-    r = run(["debootstrap", "--variant=minbase", f"--cache-dir={debs}",
-             "--keyring=/usr/share/keyrings/debian-archive-keyring.gpg",
-             IMAGE_SUITE, str(root), mirror], log=log, check=False, quiet=True)
-    if r.returncode != 0:
-        raise LabError(f"fuzz image: debootstrap {IMAGE_SUITE} failed (Debian registry "
-                       f"{mirror}); see {log}")
+    debs = debootstrap("fuzz image", IMAGE_SUITE, root, mirror, log)
     prc = root / "usr/sbin/policy-rc.d"          # never start sshd in the chroot
     prc.write_text(POLICY_RC)
     prc.chmod(0o755)

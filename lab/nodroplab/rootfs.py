@@ -140,6 +140,22 @@ def ensure_base(rf: RootfsFlavor) -> Path:
     return base
 
 
+def debootstrap(what: str, suite: str, target: Path, mirror: str, log: Path) -> Path:
+    """debootstrap --variant=minbase of suite into target, .debs cached in
+    rootfs/debs/<suite> (shared by the rootfs flavors and the fuzz image);
+    returns that cache, for _with_debs()."""
+    debs = cache_dir() / "rootfs" / "debs" / suite
+    debs.mkdir(parents=True, exist_ok=True)
+    r = run(["debootstrap", "--variant=minbase", f"--cache-dir={debs}",
+             "--keyring=/usr/share/keyrings/debian-archive-keyring.gpg",
+             suite, str(target), mirror], log=log, check=False, quiet=True)
+    if r.returncode != 0:
+        raise LabError(f"{what}: debootstrap {suite} failed (exit {r.returncode}; "
+                       f"Debian registry {mirror}); last lines of {log}:\n  "
+                       + "\n  ".join(log.read_text(errors="replace").splitlines()[-8:]))
+    return debs
+
+
 def _build_base(rf: RootfsFlavor, base: Path) -> dict:
     if shutil.which("debootstrap") is None:
         raise LabError("debootstrap not found: apt-get install debootstrap (make deps does "
@@ -149,18 +165,10 @@ def _build_base(rf: RootfsFlavor, base: Path) -> dict:
         shutil.rmtree(tmp)
     log = base.with_name(base.name + ".log")
     log.write_text("")
-    debs = cache_dir() / "rootfs" / "debs" / rf.suite
-    debs.mkdir(parents=True, exist_ok=True)
     times = {}
     t0 = time.monotonic()
     say(f"{rf.name}: debootstrap {rf.suite} -> {tmp} (log: {log})")
-    r = run(["debootstrap", "--variant=minbase", f"--cache-dir={debs}",
-             "--keyring=/usr/share/keyrings/debian-archive-keyring.gpg",
-             rf.suite, str(tmp), rf.mirror], log=log, check=False, quiet=True)
-    if r.returncode != 0:
-        raise LabError(f"{rf.name}: debootstrap {rf.suite} failed (exit {r.returncode}; "
-                       f"Debian registry {rf.mirror}); last lines of {log}:\n  "
-                       + "\n  ".join(log.read_text(errors="replace").splitlines()[-8:]))
+    debs = debootstrap(rf.name, rf.suite, tmp, rf.mirror, log)
     times["debootstrap"] = round(time.monotonic() - t0, 1)
 
     (tmp / "etc/apt/sources.list").write_text(
