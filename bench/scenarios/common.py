@@ -276,12 +276,17 @@ def mech_rates(m0: dict, m1: dict, seconds: float | None = None) -> dict:
 
 
 # --- configurations ------------------------------------------------------------
-def configs(bp_ok: bool, qlen: int | None = None) -> list[dict]:
+def configs(bp_ok: bool, qlen: int | None = None, bql_ok: bool = False) -> list[dict]:
     """stock: no flag, the device's default qdisc; bp: IFF_BACKPRESSURE +
-    fq_codel (default parameters: real AQM), only where the kernel has it."""
+    fq_codel (default parameters: real AQM), only where the kernel has it;
+    bp-nobql: bp with BQL off (limit_min = limit_max), only where the
+    kernel shows byte_queue_limits for tun (ours)."""
     c = [{"name": "stock", "flag": 0, "qdisc": None, "qlen": qlen}]
     if bp_ok:
         c.append({"name": "bp", "flag": BP, "qdisc": "fq_codel", "qlen": qlen})
+    if bp_ok and bql_ok:
+        c.append({"name": "bp-nobql", "flag": BP, "qdisc": "fq_codel", "qlen": qlen,
+                  "bql": "off"})
     return c
 
 
@@ -291,6 +296,53 @@ def apply_dev(dev: str, cfg: dict) -> str:
     if cfg.get("qdisc"):
         sh(f"tc qdisc replace dev {dev} root {cfg['qdisc']}")
     return qdisc_counts(dev)["kind"]
+
+
+class Sysfs:
+    """The sysfs of one network namespace, read and written without forking:
+    /sys shows the netns it was mounted in, so a helper process in that
+    netns mounts its own in a private mount namespace, and we go through
+    /proc/<helper>/root. Spawn it inside the namespace (`with ns:`)."""
+
+    def __init__(self, procs: "Procs"):
+        self.proc = procs.spawn(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                                 "mount -t sysfs sysfs /sys && echo ready && exec sleep 100000"])
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("could not mount a sysfs for the namespace: "
+                               f"{self.proc.stderr.read()}")
+
+    def path(self, rel: str) -> str:
+        return f"/proc/{self.proc.pid}/root/sys/{rel}"
+
+    def read_int(self, rel: str) -> int | None:
+        try:
+            with open(self.path(rel)) as f:
+                return int(f.read())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def write(self, rel: str, value) -> None:
+        with open(self.path(rel), "w") as f:
+            f.write(str(value))
+
+
+BQL_DIR = "class/net/{dev}/queues/tx-0/byte_queue_limits"
+
+
+def bql_state(fs: Sysfs, dev: str) -> dict | None:
+    """Queue 0's BQL limit and bytes in flight, None without byte_queue_limits."""
+    d = BQL_DIR.format(dev=dev)
+    limit = fs.read_int(f"{d}/limit")
+    if limit is None:
+        return None
+    return {"limit": limit, "inflight": fs.read_int(f"{d}/inflight")}
+
+
+def set_bql_off(fs: Sysfs, dev: str, off: bool) -> None:
+    """"Ours without BQL": limit_min raised to limit_max, so DQL never limits
+    the queue; back to 0 (the default) otherwise."""
+    d = BQL_DIR.format(dev=dev)
+    fs.write(f"{d}/limit_min", fs.read_int(f"{d}/limit_max") if off else 0)
 
 
 # --- the VPN path: tunnel A (nsA) <-UDP over veth-> tunnel B (nsB) -------------
@@ -332,6 +384,11 @@ class VPN:
                 sh(f"ip addr add {lip} peer {pip} dev {dev}")
                 sh(f"ip link set dev {dev} up")
                 self.qdisc = apply_dev(dev, cfg)
+        with self.a:
+            self.fs_a = Sysfs(self.procs)
+        with self.b:
+            self.fs_b = Sysfs(self.procs)
+        self.apply_bql(cfg)
         if cfg["flag"] and not self.iff["tA"] & BP:
             raise RuntimeError("kernel reports backpressure but TUNGETIFF lacks it")
 
@@ -345,6 +402,20 @@ class VPN:
                 if not cfg.get("qdisc"):
                     sh(f"tc qdisc del dev {dev} root", check=False)
                 self.qdisc = apply_dev(dev, cfg)
+        self.apply_bql(cfg)
+
+    def has_bql(self) -> bool:
+        """tA shows byte_queue_limits (our kernels: BQL with backpressure)."""
+        return bql_state(self.fs_a, "tA") is not None
+
+    def apply_bql(self, cfg: dict):
+        """cfg["bql"] == "off": "ours without BQL" on both tuns (limit_min =
+        limit_max); otherwise the default where the kernel has it."""
+        for fs, dev in ((self.fs_a, "tA"), (self.fs_b, "tB")):
+            if bql_state(fs, dev) is not None:
+                set_bql_off(fs, dev, cfg.get("bql") == "off")
+            elif cfg.get("bql") == "off":
+                raise RuntimeError(f"{dev}: no byte_queue_limits in sysfs")
 
     def iperf_server(self, port: int = 5201) -> subprocess.Popen:
         """One iperf3 server per VPN (nsB), reused by every test."""
@@ -396,7 +467,8 @@ class VPN:
                 utx, urx = udp_queues()
             out[side] = {"q_pkts": q.get("qlen", 0), "read": st["tx_packets"],
                          "ring_x": q.get("packets", 0) - st["tx_packets"] - st["tx_dropped"],
-                         "udp_tx": utx, "udp_rx": urx}
+                         "udp_tx": utx, "udp_rx": urx,
+                         "bql": bql_state(self.fs_a if side == "A" else self.fs_b, dev)}
         return out
 
     def drain_all(self, timeout: float = 20):
@@ -573,6 +645,8 @@ def pktgen_point(tools: str, cfg: dict, threads: int, mode: str, vnet: bool,
             reader = tl.Reader(procs.spawn(argv, text=False), "pg0")
             tl.setup_ip("pg0", tap=True, txqueuelen=cfg.get("qlen") or 500)
             point["qdisc"] = apply_dev("pg0", cfg)
+            if cfg.get("bql") == "off":
+                set_bql_off(Sysfs(procs), "pg0", True)
             devs = pktgen_setup("pg0", threads, mode)
             if devs is None:
                 point["error"] = f"fewer than {threads} pktgen threads"
@@ -619,6 +693,15 @@ def say_pktgen(tag: str, pt: dict) -> None:
         f"requeues/kpkt {summ(r, 'requeues_per_kpkt')}")
 
 
+def has_bql_sysfs() -> bool:
+    """A tun with backpressure shows byte_queue_limits (our kernel)."""
+    t = tl.Tun("ndbqlprobe", IFF_TUN | IFF_NO_PI | BP)
+    try:
+        return os.path.isdir(f"/sys/class/net/{t.name}/queues/tx-0/byte_queue_limits")
+    finally:
+        t.close()
+
+
 class Ctx:
     """What every scenario gets: QUICK, REPS, DURATION override, tools
     directory, and whether the kernel has IFF_BACKPRESSURE."""
@@ -629,6 +712,7 @@ class Ctx:
         self.duration = duration
         self.tools = tools
         self.bp = tl.has_backpressure()
+        self.bql = self.bp and has_bql_sysfs()
 
     def dur(self, full: float, quick: float) -> float:
         if self.duration:

@@ -21,7 +21,7 @@ def run(ctx) -> dict:
                  (2, "queue_xmit", False), (2, "start_xmit", False),
                  (2, "queue_xmit", True), (2, "start_xmit", True)]
     res["params"] = {"duration_s": d, "pkt_size": 64, "txqueuelen": 500, "cases": cases}
-    for cfg in configs(ctx.bp):
+    for cfg in configs(ctx.bp, bql_ok=ctx.bql):
         for threads, mode, vnet in cases:
             tag = f"s1 {cfg['name']} threads={threads} {mode} vnet={vnet}"
             say(tag)

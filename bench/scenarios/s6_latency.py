@@ -18,7 +18,7 @@ RTT_RE = re.compile(r"time=([0-9.]+) ms")
 def queue_summary(base: dict, samples: list[dict]) -> dict:
     """Median over the samples of each place a standing queue can form."""
     def med(f):
-        v = [f(x) for x in samples]
+        v = [y for y in (f(x) for x in samples) if y is not None]
         return statistics.median(v) if v else None
     return {
         "tA_qdisc_pkts": med(lambda x: x["A"]["q_pkts"]),
@@ -28,6 +28,9 @@ def queue_summary(base: dict, samples: list[dict]) -> dict:
         "B_udp_rx_kB": med(lambda x: x["B"]["udp_rx"] / 1024),
         "tB_ring_pkts": med(lambda x: x["B"]["ring_x"] - base["B"]["ring_x"]),
         "tB_qdisc_pkts": med(lambda x: x["B"]["q_pkts"]),
+        # BQL of tA's queue 0 (None without byte_queue_limits)
+        "tA_bql_limit": med(lambda x: (x["A"]["bql"] or {}).get("limit")),
+        "tA_bql_inflight": med(lambda x: (x["A"]["bql"] or {}).get("inflight")),
         "samples": len(samples)}
 
 
@@ -38,7 +41,15 @@ def run(ctx) -> dict:
         # a small ring + fq_codel without the flag: low latency, ring drops
         cfgs.append({"name": "stock-q25-fq_codel", "flag": 0, "qdisc": "fq_codel", "qlen": 25})
     if ctx.bp:
-        cfgs.append({"name": "bp", "flag": BP, "qdisc": "fq_codel", "qlen": 25})
+        # "bp": backpressure + fq_codel, with BQL where the kernel has it
+        # (ours); "bp-nobql": ours without BQL (limit_min = limit_max, see
+        # docs/bench.md), the ring then holds up to txqueuelen packets.
+        # q25 without BQL is the hand-tuned reference; q500/q1000 are the
+        # tun/tap defaults nobody should have to tune.
+        for qlen in (25, 500, 1000):
+            cfgs.append({"name": "bp", "flag": BP, "qdisc": "fq_codel", "qlen": qlen})
+            cfgs.append({"name": "bp-nobql", "flag": BP, "qdisc": "fq_codel", "qlen": qlen,
+                         "bql": "off"})
     # Tunnel A reads its tun at a fixed packet rate (a slow uplink behind the
     # VPN), sleeping between packets, so the bottleneck and its standing queue
     # are at tA (ring for stock, qdisc for bp) and nowhere else: the rate is
@@ -57,13 +68,15 @@ def run(ctx) -> dict:
     vpn = None
     try:
         for cfg in cfgs:
-            # stock and stock-q25-fq_codel share one VPN (same flags)
-            if vpn is not None and vpn.cfg["flag"] == cfg["flag"]:
-                vpn.reconfigure(cfg)
-            else:
+            # configurations with the same flags share one VPN
+            if vpn is None or vpn.cfg["flag"] != cfg["flag"]:
                 if vpn is not None:
                     vpn.close()
-                vpn = VPN(ctx.tools, cfg, rate_pps=rate, spin_us=spin)
+                vpn = VPN(ctx.tools, {**cfg, "bql": None}, rate_pps=rate, spin_us=spin)
+            if cfg.get("bql") == "off" and not vpn.has_bql():
+                say(f"s6 {cfg['name']} q{cfg['qlen']}: skipped (no byte_queue_limits)")
+                continue
+            vpn.reconfigure(cfg)
             pt = {"config": cfg["name"], "qlen": cfg["qlen"], "qdisc": vpn.qdisc, "reps": []}
             vpn.drain_all()
             for _ in range(ctx.reps):
@@ -95,11 +108,13 @@ def run(ctx) -> dict:
                 pt["reps"].append(rep)
                 vpn.drain_all()
             r = pt["reps"]
-            say(f"s6 {cfg['name']}: p50 {summ(r, 'p50_ms')} ms p99 {summ(r, 'p99_ms')} ms "
+            say(f"s6 {cfg['name']} q{cfg['qlen']}: p50 {summ(r, 'p50_ms')} ms p99 {summ(r, 'p99_ms')} ms "
                 f"bulk {summ(r, 'bulk_mbps')} Mbit/s ring drops {summ(r, 'tx_dropped')}; "
                 f"queued at tA: ring {summ(r, 'tA_ring_pkts')} qdisc {summ(r, 'tA_qdisc_pkts')} "
                 f"pkts (= {summ(r, 'tA_queue_ms')} ms at {rate} pps); B udp rx "
-                f"{summ(r, 'B_udp_rx_kB')} kB, A udp rx {summ(r, 'A_udp_rx_kB')} kB")
+                f"{summ(r, 'B_udp_rx_kB')} kB, A udp rx {summ(r, 'A_udp_rx_kB')} kB; "
+                f"tA BQL limit {summ(r, 'tA_bql_limit')} B inflight "
+                f"{summ(r, 'tA_bql_inflight')} B")
             res["points"].append(pt)
     finally:
         if vpn is not None:

@@ -12,8 +12,11 @@ Inputs ([dkms] in lab/flavors.toml): the kernel source package, the series,
 the package version and the exact Debian kernel releases it builds for.
 Files the series changes must be ones a module package can ship
 (SHIP below); documentation, selftests and MAINTAINERS are left out. A patch
-that touches anything else stops the generation: such a change needs a
-kernel rebuild, not a DKMS package.
+that touches anything else needs a kernel rebuild, not a DKMS package: such
+patches are left out of the package when they come last in the series
+(nothing shipped depends on them, e.g. 6.12's net-sysfs patch that shows
+tun's byte_queue_limits), and listed in SOURCES; anywhere else they stop
+the generation.
 """
 
 from __future__ import annotations
@@ -123,13 +126,22 @@ def generate(sp: DkmsSpec | None = None) -> Path:
     patches = fl.patches()
     if not patches:
         raise LabError(f"{fl.series}: empty series, nothing to package")
+    def core(p: Path) -> list[str]:
+        return [path for path in _touched(p)
+                if path not in SHIP and not path.startswith(NOT_SHIPPED)]
+    left_out = []
+    while patches and core(patches[-1]):
+        left_out.insert(0, patches.pop())
     for p in patches:
-        for path in _touched(p):
-            if path not in SHIP and not path.startswith(NOT_SHIPPED):
-                raise LabError(f"{p.name} changes {path}: a DKMS package can only ship "
-                               f"{', '.join(SHIP)} (a change elsewhere needs a kernel "
-                               "rebuild); extend lab/nodroplab/dkms.py SHIP if this file "
-                               "can be built as part of tun.ko/vhost_net.ko")
+        for path in core(p):
+            raise LabError(f"{p.name} changes {path}: a DKMS package can only ship "
+                           f"{', '.join(SHIP)} (a change elsewhere needs a kernel "
+                           "rebuild; only patches at the end of the series can be left "
+                           "out); extend lab/nodroplab/dkms.py SHIP if this file "
+                           "can be built as part of tun.ko/vhost_net.ko")
+    for p in left_out:
+        say(f"dkms: leaving out {p.name} (changes {', '.join(core(p))}: needs a "
+            "kernel rebuild)")
     base = out_dir(sp)
     if base.exists():
         shutil.rmtree(base)
@@ -193,6 +205,7 @@ def generate(sp: DkmsSpec | None = None) -> Path:
              f"(.deb sha256 {fl.source.sha256}), Linux {upstream}",
              f"series: {fl.series.relative_to(REPO)} sha256 {series_hash}"]
     lines += [f"  {p.name} sha256 {sha256_file(p)}" for p in patches]
+    lines += [f"  left out (needs a kernel rebuild): {p.name}" for p in left_out]
     lines += ["files (kernel path -> here, sha256 after the series):"]
     lines += [f"  {k} -> {v} {sha256_file(src / v)}" for k, v in SHIP.items()]
     lines += [f"stock headers replaced (sha256 of {upstream}'s, checked by Kbuild):"]

@@ -22,8 +22,8 @@ import time
 import pytest
 
 from tunlib import (IFF_NO_PI, IFF_TAP, IFF_TUN, IFF_VNET_HDR, log, qsummary,
-                    root_qdisc, set_fq_codel, set_qdisc, setup_ip, tx_dropped,
-                    wait_backlog_zero)
+                    ring_level_only, root_qdisc, set_fq_codel, set_qdisc, setup_ip,
+                    tx_dropped, wait_backlog_zero)
 
 RING = 25          # txqueuelen == ptr_ring size per queue
 N = 1000           # datagrams in the burst
@@ -45,6 +45,7 @@ def make_device(env, kind: str, vnet: int, extra: int):
     t = env.tun("ndburst0", flags, vnet_hdr_sz=vnet or None)
     if vnet:
         assert t.vnet_hdr_sz() == vnet
+    ring_level_only(t.name)   # the ring's stop level, not BQL (test_bql.py)
     setup_ip(t.name, tap=(kind == "tap"), txqueuelen=RING)
     return t
 

@@ -55,7 +55,7 @@ import pytest
 from test_lifecycle import counts, quiesce, wait_total
 from tunlib import (IFF_BACKPRESSURE, IFF_NO_PI, IFF_TAP, IFF_VNET_HDR, VhostRx,
                     cpus, log, qdisc_totals, qstats, qsummary, root_qdisc,
-                    set_fq_codel, set_qdisc, setup_ip, tx_dropped,
+                    ring_level_only, set_fq_codel, set_qdisc, setup_ip, tx_dropped,
                     wait_backlog_zero)
 
 VHOST_DEV = "/dev/vhost-net"
@@ -74,9 +74,13 @@ def _need_vhost():
         pytest.skip(f"no {VHOST_DEV} (kernel without CONFIG_VHOST_NET)")
 
 
-def make_tap(env, name: str, extra: int, vnet: bool, txqueuelen: int):
+def make_tap(env, name: str, extra: int, vnet: bool, txqueuelen: int,
+             ring_level: bool = False):
+    """ring_level: the ring's stop level only, not BQL (ring_level_only)."""
     flags = IFF_TAP | IFF_NO_PI | extra | (IFF_VNET_HDR if vnet else 0)
     t = env.tun(name, flags, vnet_hdr_sz=VNET_HDR if vnet else None)
+    if ring_level:
+        ring_level_only(t.name)
     setup_ip(t.name, tap=True, txqueuelen=txqueuelen)
     return t
 
@@ -127,7 +131,7 @@ def drain(env, dev: str, rx: VhostRx, key: str, expect: int) -> dict:
                                   pytest.param(False, id="vhosthdr")])
 @pytest.mark.parametrize("mode", ["detached", "nobufs"])
 def test_vhost_burst(env, mode, vnet, record_property):
-    t = make_tap(env, "ndvh0", env.bp_flag(), vnet, RING)
+    t = make_tap(env, "ndvh0", env.bp_flag(), vnet, RING, ring_level=True)
     if env.bp:
         assert t.get_iff() & IFF_BACKPRESSURE, "flag requested but not reported"
     qspec = set_fq_codel(t.name)

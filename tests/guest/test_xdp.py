@@ -29,7 +29,7 @@ import struct
 import pytest
 
 from tunlib import (IFF_NO_PI, IFF_TAP, has_priv_flag, log, nla, qstats,
-                    root_qdisc, set_fq_codel, setup_ip, sh, tx_dropped,
+                    ring_level_only, root_qdisc, set_fq_codel, setup_ip, sh, tx_dropped,
                     wait_backlog_zero)
 
 RING = 64           # txqueuelen of the tap
@@ -110,6 +110,7 @@ def xdp_into(env):
 def test_xdp_redirect_keeps_skb_room(env, xdp_into, record_property):
     t = env.tun("ndxdp0", IFF_TAP | IFF_NO_PI | env.bp_flag())
     dev = t.name
+    ring_level_only(dev)   # the ring's stop level, not BQL
     setup_ip(dev, tap=True, txqueuelen=RING)
     set_fq_codel(dev)
     reader = env.reader(t, tap=True, paused=True)

@@ -413,6 +413,49 @@ def tun_flags_sysfs(dev: str) -> int:
     return int(r.stdout.strip(), 16)
 
 
+# --- byte queue limits (series v3: BQL under backpressure) ----------------------
+def _sysfs_netns(cmd: str) -> str:
+    """Run cmd with a sysfs of the caller's netns mounted on /sys (see
+    tun_flags_sysfs). Raises FileNotFoundError when cmd fails."""
+    r = sh("unshare -m --propagation private sh -c "
+           f"'mount -t sysfs sysfs /sys && {cmd}'", check=False)
+    if r.returncode:
+        raise FileNotFoundError(r.stderr.strip())
+    return r.stdout
+
+
+def bql_dir(dev: str, queue: int = 0) -> str:
+    return f"/sys/class/net/{dev}/queues/tx-{queue}/byte_queue_limits"
+
+
+def bql(dev: str, queue: int = 0) -> dict | None:
+    """The queue's byte_queue_limits (limit, inflight, limit_min, limit_max)
+    as ints; None without the directory (stock tun, mainline, DKMS)."""
+    try:
+        out = _sysfs_netns(f"cd {bql_dir(dev, queue)} && "
+                           "grep . limit inflight limit_min limit_max")
+    except FileNotFoundError:
+        return None
+    return {k: int(v) for k, v in (line.split(":", 1) for line in out.split())}
+
+
+def set_bql(dev: str, name: str, value: int, queue: int = 0) -> None:
+    _sysfs_netns(f"echo {value} > {bql_dir(dev, queue)}/{name}")
+
+
+def ring_level_only(dev: str, queues: int = 1) -> None:
+    """For tests of the ring's own stop level (DRV_XOFF, txqueuelen packets):
+    where the kernel keeps byte queue limits under backpressure, the queue
+    would stop at the BQL limit first; raise limit_min to limit_max on each
+    queue so that only the ring stops it, as in series v2 (test_bql.py tests
+    BQL). Call before the device goes up: the limit takes limit_min at the
+    next reset (link up, txqueuelen change, attach). No-op without BQL."""
+    for q in range(queues):
+        b = bql(dev, q)
+        if b is not None:
+            set_bql(dev, "limit_min", b["limit_max"], q)
+
+
 # --- device setup ----------------------------------------------------------------
 def setup_ip(dev: str, tap: bool, txqueuelen: int | None = None) -> None:
     """Address, route (connected /24) and, for TAP, a permanent neighbour, so

@@ -1,0 +1,248 @@
+"""Byte queue limits under backpressure (NODROP patches 0010-0012).
+
+With backpressure tun accounts the bytes its rings hold per TX queue (BQL),
+so the queue stops at the BQL limit (the core's STACK_XOFF) long before the
+ring's own stop level (txqueuelen packets), and the backlog waits in the
+qdisc. The limit and the bytes in flight are in
+/sys/class/net/<dev>/queues/tx-<n>/byte_queue_limits/ (patch 0012; a DKMS
+build on Debian's kernel has BQL but not that directory).
+
+Feature detection: IFF_BACKPRESSURE in TUNGETFEATURES (else skip); the
+sysfs checks only where the directory exists.
+
+test_bql_ring_holds_limit: 200 x 1000 B into a paused reader, fq_codel,
+    default txqueuelen (tun 500, tap 1000): the ring takes what BQL allows
+    (a freshly reset limit is 0: one packet), the qdisc holds the rest; the
+    in-flight bytes are those of the ring; once the reader resumes, all 200
+    arrive, no drop, and nothing is in flight. Without BQL the ring takes
+    all 200 (the stop level is 500) and the qdisc holds nothing.
+test_bql_limit_min_off: "ours without BQL", as the bench measures it: with
+    limit_min raised to limit_max the ring takes all 200 again.
+test_bql_lifecycle: a paused reader with bytes in flight, then one
+    lifecycle path (queue detach + attach, txqueuelen change, link down/up,
+    the operator switch off, the operator switch on over a ring filled
+    without backpressure); then the reader resumes: no stall (a fresh
+    burst arrives complete, no ring drop), and nothing in flight at the end.
+    Without the resets the queue stays stopped (detach purges accounted
+    packets); without the in-flight bound of completions, the flag-on path
+    BUG()s in dql_completed().
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from test_lifecycle import quiesce
+from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TAP, IFF_TUN, bql, has_priv_flag,
+                    log, qdisc_totals, qsummary, root_qdisc, set_bql, set_fq_codel,
+                    set_priv_flag, setup_ip, sh, tx_dropped, wait_backlog_zero)
+
+N = 200            # datagrams per burst
+SIZE = 1000        # UDP payload bytes
+SNDBUF = 16 << 20
+FRESH = 100
+IP_UDP = 28        # IPv4 + UDP headers: bytes of one datagram on a tun
+ETH = 14
+
+
+@pytest.fixture(autouse=True)
+def _needs_bp(env):
+    if not env.bp:
+        pytest.skip("no IFF_BACKPRESSURE in TUNGETFEATURES: no BQL either")
+
+
+def wire_bytes(tap: bool) -> int:
+    return SIZE + IP_UDP + (ETH if tap else 0)
+
+
+def paused_burst(env, kind: str, flags: int = 0, txqueuelen: int | None = None):
+    """A device with fq_codel and a paused reader; N datagrams sent.
+    Returns (tun, reader, packets in the ring)."""
+    tap = kind == "tap"
+    t = env.tun("ndbql0", (IFF_TAP if tap else IFF_TUN) | IFF_NO_PI | flags)
+    setup_ip(t.name, tap=tap, txqueuelen=txqueuelen)
+    set_fq_codel(t.name)
+    reader = env.reader(t, tap=tap, paused=True)
+    r = env.burst(N, size=SIZE, ident=1, sndbuf=SNDBUF)
+    assert r["ok"] == N, r
+    time.sleep(0.3)
+    q = qdisc_totals(t.name)
+    in_ring = N - q["qlen"] - tx_dropped(t.name)
+    log(f"{kind}: qdisc {qsummary(root_qdisc(t.name))}, in the ring {in_ring}, "
+        f"bql {bql(t.name)}")
+    return t, reader, in_ring
+
+
+def drain(env, t, reader, expect: int) -> None:
+    """Resume the reader: it gets `expect` of ident 1, nothing is dropped,
+    the qdisc empties, a fresh burst arrives complete, nothing in flight."""
+    reader.go()
+    r = reader.wait("id1", expect, stall_s=60)
+    assert r["result"] == "ok", (f"STALL: reader got {r['per_id'][1]} of {expect}; "
+                                 f"qdisc {qsummary(root_qdisc(t.name))} bql {bql(t.name)}")
+    wait_backlog_zero(t.name)
+    quiesce([reader])
+    d0 = tx_dropped(t.name)
+    base = reader.stat()["per_id"][2]
+    r = env.burst(FRESH, size=SIZE, ident=2, sndbuf=SNDBUF)
+    assert r["ok"] == FRESH, r
+    r = reader.wait("id2", base + FRESH, stall_s=60)
+    assert r["result"] == "ok", (f"STALL: fresh burst {r['per_id'][2] - base}/{FRESH}; "
+                                 f"qdisc {qsummary(root_qdisc(t.name))} bql {bql(t.name)}")
+    wait_backlog_zero(t.name)
+    quiesce([reader])
+    assert tx_dropped(t.name) == d0, "ring drops during the fresh burst"
+    b = bql(t.name)
+    if b is not None:
+        assert b["inflight"] == 0, f"bytes still in flight with an empty ring: {b}"
+
+
+@pytest.mark.parametrize("kind", ["tun", "tap"])
+def test_bql_ring_holds_limit(env, kind, record_property):
+    t, reader, in_ring = paused_burst(env, kind, env.bp_flag())
+    b = bql(t.name)
+    record_property("in_ring", in_ring)
+    record_property("bql", str(b))
+    assert tx_dropped(t.name) == 0
+    # the stop level is txqueuelen (500/1000): only BQL stops the queue this early
+    assert in_ring < N // 2, f"the ring took {in_ring} of {N}: no byte queue limit"
+    if b is not None:
+        assert b["inflight"] == in_ring * wire_bytes(kind == "tap"), b
+        assert b["inflight"] <= b["limit"] + wire_bytes(kind == "tap"), b
+    else:
+        log("NOTICE: no byte_queue_limits in sysfs (kernel without patch 0012)")
+    drain(env, t, reader, N)
+
+
+def test_bql_limit_min_off(env, record_property):
+    """What the bench calls "ours without BQL": limit_min = limit_max."""
+    t = env.tun("ndbql0", IFF_TUN | IFF_NO_PI | env.bp_flag())
+    b = bql(t.name)
+    if b is None:
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0012)")
+    setup_ip(t.name, tap=False)
+    set_fq_codel(t.name)
+    set_bql(t.name, "limit_min", b["limit_max"])
+    reader = env.reader(t, paused=True)
+    r = env.burst(N, size=SIZE, ident=1, sndbuf=SNDBUF)
+    assert r["ok"] == N, r
+    time.sleep(0.3)
+    q = qdisc_totals(t.name)
+    b = bql(t.name)
+    log(f"limit_min={b['limit_min']}: qdisc {qsummary(root_qdisc(t.name))} bql {b}")
+    assert q["qlen"] == 0 and tx_dropped(t.name) == 0, "the ring did not take all"
+    assert b["inflight"] == N * wire_bytes(False), b
+    drain(env, t, reader, N)
+
+
+def _detach_attach(env, t, ctx):
+    t.set_queue(False)       # purges the ring: its bytes are never completed
+    time.sleep(0.3)
+    t.set_queue(True)
+
+
+def _resize(env, t, ctx):
+    sh(f"ip link set dev {t.name} txqueuelen 600")
+
+
+def _down_up(env, t, ctx):
+    sh(f"ip link set dev {t.name} down")
+    sh(f"ip link set dev {t.name} up")
+    set_fq_codel(t.name)
+
+
+def _flag_off(env, t, ctx):
+    set_priv_flag(t.name, "backpressure", False)
+
+
+def _flag_on(env, t, ctx):
+    set_priv_flag(t.name, "backpressure", True)
+
+
+# path -> (device flags, operator switch before the burst, what the reader gets)
+PATHS = {
+    "detach_attach": (IFF_MULTI_QUEUE, None, _detach_attach, "fresh"),
+    "resize": (0, None, _resize, "all"),
+    "down_up": (0, None, _down_up, "fresh"),
+    "flag_off": (0, True, _flag_off, "all"),
+    "flag_on_over_unaccounted": (0, False, _flag_on, "all"),
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_bql_lifecycle(env, path, record_property):
+    extra, switch, action, gets = PATHS[path]
+    bp = env.bp_flag() if switch is None else 0
+    t = env.tun("ndbql0", IFF_TUN | IFF_NO_PI | extra | bp)
+    if switch is not None:
+        if not has_priv_flag(t.name, "backpressure"):
+            pytest.skip("no 'backpressure' ethtool private flag")
+        set_priv_flag(t.name, "backpressure", switch)
+    setup_ip(t.name, tap=False)
+    set_fq_codel(t.name)
+    reader = env.reader(t, paused=True)
+    r = env.burst(N, size=SIZE, ident=1, sndbuf=SNDBUF)
+    assert r["ok"] == N, r
+    time.sleep(0.3)
+    before = bql(t.name)
+    log(f"{path}: before: qdisc {qsummary(root_qdisc(t.name))} bql {before}")
+    action(env, t, None)
+    time.sleep(0.3)
+    log(f"{path}: after: qdisc {qsummary(root_qdisc(t.name))} bql {bql(t.name)} "
+        f"tx_dropped={tx_dropped(t.name)}")
+    if gets == "all":
+        drain(env, t, reader, N)
+    else:
+        # packets of the purged ring / of the reset qdisc are gone: only
+        # the fresh burst counts
+        reader.go()
+        wait_backlog_zero(t.name)
+        quiesce([reader])
+        drain(env, t, reader, reader.stat()["per_id"][1])
+
+
+def test_bql_vhost_giveback(env, record_property):
+    """vhost-net holds a batch it took (completed for BQL) when its backend
+    is detached: the entries it gives back (tun_ring_unconsume()) are
+    accounted as queued again, so the in-flight bytes are exactly those of
+    the ring. Without that they would be missing from inflight (the next
+    completion would be cut to what is in flight, and the ring could hold
+    more than the limit)."""
+    from test_vhost import VHOST_DEV, settle
+    if not os.path.exists(VHOST_DEV):
+        pytest.skip(f"no {VHOST_DEV}")
+    t = env.tun("ndbqlv0", IFF_TAP | IFF_NO_PI | env.bp_flag())
+    if bql(t.name) is None:
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0012)")
+    setup_ip(t.name, tap=True)
+    set_fq_codel(t.name)
+    # no buffer posted: vhost runs once at the first packet and takes what
+    # the ring holds into its private buffer, where it stays
+    rx = env.vhostrx(t, paused=True)
+    r = env.burst(60, size=SIZE, ident=5, sndbuf=SNDBUF)
+    assert r["ok"] == 60, r
+    settle(t.name)
+    held = bql(t.name)
+    rx.detach()
+    settle(t.name)
+    q = qdisc_totals(t.name)
+    got = rx.stat()["pkts"]
+    in_ring = q["packets"] - got - tx_dropped(t.name)
+    b = bql(t.name)
+    summary = (f"before detach bql {held}; after: qdisc {qsummary(root_qdisc(t.name))}, "
+               f"consumer got {got}, in the ring {in_ring}, bql {b}")
+    log(summary)
+    record_property("bql_after_giveback", str(b))
+    assert b["inflight"] > held["inflight"], f"vhost gave nothing back; {summary}"
+    assert b["inflight"] == in_ring * wire_bytes(True), summary
+    rx.attach()
+    rx.go()
+    r = rx.wait("id5", 60, stall_s=60)
+    assert r["result"] == "ok", f"STALL after give-back; {summary}"
+    wait_backlog_zero(t.name)
+    quiesce([rx])
+    assert tx_dropped(t.name) == 0
+    assert bql(t.name)["inflight"] == 0, bql(t.name)
