@@ -168,7 +168,10 @@ def _flag_on(env, t, ctx):
 # path -> (device flags, operator switch before the burst, what the reader gets)
 PATHS = {
     "detach_attach": (IFF_MULTI_QUEUE, None, _detach_attach, "fresh"),
-    "resize": (0, None, _resize, "all"),
+    # a txqueuelen change deactivates the device's qdiscs, which resets them
+    # (dev_qdisc_change_tx_queue_len(): the core drops their backlog on every
+    # device): only the ring's packets and the fresh burst arrive
+    "resize": (0, None, _resize, "fresh"),
     "down_up": (0, None, _down_up, "fresh"),
     "flag_off": (0, True, _flag_off, "all"),
     "flag_on_over_unaccounted": (0, False, _flag_on, "all"),
