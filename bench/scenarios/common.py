@@ -279,8 +279,9 @@ def mech_rates(m0: dict, m1: dict, seconds: float | None = None) -> dict:
 def configs(bp_ok: bool, qlen: int | None = None, bql_ok: bool = False) -> list[dict]:
     """stock: no flag, the device's default qdisc; bp: IFF_BACKPRESSURE +
     fq_codel (default parameters: real AQM), only where the kernel has it;
-    bp-nobql: bp with BQL off (limit_min = limit_max), only where the
-    kernel shows byte_queue_limits for tun (ours)."""
+    bp-nobql: bp with BQL off (tun's "bql" ethtool private flag off: the
+    queue stops at the ring's level only, as in series v2), only where tun
+    has that flag (ours, v3 on)."""
     c = [{"name": "stock", "flag": 0, "qdisc": None, "qlen": qlen}]
     if bp_ok:
         c.append({"name": "bp", "flag": BP, "qdisc": "fq_codel", "qlen": qlen})
@@ -338,11 +339,16 @@ def bql_state(fs: Sysfs, dev: str) -> dict | None:
     return {"limit": limit, "inflight": fs.read_int(f"{d}/inflight")}
 
 
-def set_bql_off(fs: Sysfs, dev: str, off: bool) -> None:
-    """"Ours without BQL": limit_min raised to limit_max, so DQL never limits
-    the queue; back to 0 (the default) otherwise."""
-    d = BQL_DIR.format(dev=dev)
-    fs.write(f"{d}/limit_min", fs.read_int(f"{d}/limit_max") if off else 0)
+def has_bql_switch(dev: str) -> bool:
+    """tun's "bql" ethtool private flag (ours: BQL under backpressure).
+    Run in the device's netns."""
+    return tl.has_priv_flag(dev, "bql")
+
+
+def set_bql(dev: str, on: bool) -> None:
+    """"Ours without BQL" (off) or BQL (on, the default) on a tun that has
+    the "bql" private flag. Run in the device's netns."""
+    tl.set_priv_flag(dev, "bql", on)
 
 
 # --- the VPN path: tunnel A (nsA) <-UDP over veth-> tunnel B (nsB) -------------
@@ -405,17 +411,19 @@ class VPN:
         self.apply_bql(cfg)
 
     def has_bql(self) -> bool:
-        """tA shows byte_queue_limits (our kernels: BQL with backpressure)."""
-        return bql_state(self.fs_a, "tA") is not None
+        """tA has the "bql" private flag (our kernels: BQL with backpressure)."""
+        with self.a:
+            return has_bql_switch("tA")
 
     def apply_bql(self, cfg: dict):
-        """cfg["bql"] == "off": "ours without BQL" on both tuns (limit_min =
-        limit_max); otherwise the default where the kernel has it."""
-        for fs, dev in ((self.fs_a, "tA"), (self.fs_b, "tB")):
-            if bql_state(fs, dev) is not None:
-                set_bql_off(fs, dev, cfg.get("bql") == "off")
-            elif cfg.get("bql") == "off":
-                raise RuntimeError(f"{dev}: no byte_queue_limits in sysfs")
+        """cfg["bql"] == "off": "ours without BQL" on both tuns (the "bql"
+        private flag off); otherwise BQL on where the kernel has it."""
+        for ns, dev in ((self.a, "tA"), (self.b, "tB")):
+            with ns:
+                if has_bql_switch(dev):
+                    set_bql(dev, cfg.get("bql") != "off")
+                elif cfg.get("bql") == "off":
+                    raise RuntimeError(f"{dev}: no 'bql' ethtool private flag")
 
     def iperf_server(self, port: int = 5201) -> subprocess.Popen:
         """One iperf3 server per VPN (nsB), reused by every test."""
@@ -646,7 +654,7 @@ def pktgen_point(tools: str, cfg: dict, threads: int, mode: str, vnet: bool,
             tl.setup_ip("pg0", tap=True, txqueuelen=cfg.get("qlen") or 500)
             point["qdisc"] = apply_dev("pg0", cfg)
             if cfg.get("bql") == "off":
-                set_bql_off(Sysfs(procs), "pg0", True)
+                set_bql("pg0", False)
             devs = pktgen_setup("pg0", threads, mode)
             if devs is None:
                 point["error"] = f"fewer than {threads} pktgen threads"
@@ -693,11 +701,11 @@ def say_pktgen(tag: str, pt: dict) -> None:
         f"requeues/kpkt {summ(r, 'requeues_per_kpkt')}")
 
 
-def has_bql_sysfs() -> bool:
-    """A tun with backpressure shows byte_queue_limits (our kernel)."""
+def has_bql() -> bool:
+    """A tun with backpressure has the "bql" private flag (our kernel)."""
     t = tl.Tun("ndbqlprobe", IFF_TUN | IFF_NO_PI | BP)
     try:
-        return os.path.isdir(f"/sys/class/net/{t.name}/queues/tx-0/byte_queue_limits")
+        return has_bql_switch(t.name)
     finally:
         t.close()
 
@@ -712,7 +720,7 @@ class Ctx:
         self.duration = duration
         self.tools = tools
         self.bp = tl.has_backpressure()
-        self.bql = self.bp and has_bql_sysfs()
+        self.bql = self.bp and has_bql()
 
     def dur(self, full: float, quick: float) -> float:
         if self.duration:

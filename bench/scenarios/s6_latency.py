@@ -42,8 +42,8 @@ def run(ctx) -> dict:
         cfgs.append({"name": "stock-q25-fq_codel", "flag": 0, "qdisc": "fq_codel", "qlen": 25})
     if ctx.bp:
         # "bp": backpressure + fq_codel, with BQL where the kernel has it
-        # (ours); "bp-nobql": ours without BQL (limit_min = limit_max, see
-        # docs/bench.md), the ring then holds up to txqueuelen packets.
+        # (ours); "bp-nobql": ours without BQL (tun's "bql" private flag
+        # off, see docs/bench.md), the ring then holds up to txqueuelen packets.
         # q25 without BQL is the hand-tuned reference; q500/q1000 are the
         # tun/tap defaults nobody should have to tune.
         for qlen in (25, 500, 1000):

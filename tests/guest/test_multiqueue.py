@@ -82,7 +82,7 @@ def test_multiqueue(env, record_property):
     dev = q0.name
 
     # fresh, small rings for exact counts (resize reallocates them)
-    ring_level_only(dev, 2)   # the ring's stop level, not BQL (resize resets)
+    ring_level_only(dev)   # the ring's stop level, not BQL
     sh(f"ip link set dev {dev} txqueuelen {RING}")
     spec = _mq_fq_codel(dev)
     log(f"mq children: '{spec}'")
@@ -155,7 +155,7 @@ def test_multiqueue_detach_backlog(env, record_property):
     drains what is left, without a stall."""
     q0, q1, ports = _two_queues(env, "ndmq1")
     dev = q0.name
-    ring_level_only(dev, 2)   # the ring's stop level, not BQL (resize resets)
+    ring_level_only(dev)   # the ring's stop level, not BQL
     sh(f"ip link set dev {dev} txqueuelen {RING}")
     results = {}
     for root in ("fq_codel", "mq"):
@@ -209,7 +209,7 @@ def test_multiqueue_detach_remap(env, record_property):
     ring drains and a fresh burst arrives complete."""
     q0, q1, ports = _two_queues(env, "ndmq2")
     dev = q0.name
-    ring_level_only(dev, 2)   # the ring's stop level, not BQL (resize resets)
+    ring_level_only(dev)   # the ring's stop level, not BQL
     sh(f"ip link set dev {dev} txqueuelen {RING}")
     # mq: queue 0's load must not wait behind queue 1's stopped head packet
     # (with a single root qdisc it would, see test_multiqueue_detach_backlog)

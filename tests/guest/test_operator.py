@@ -259,7 +259,7 @@ def test_qstats_monotonic_across_detach(env, record_property):
     q0.set_persist(True)
     env.persistent.append((dev, flags))
     q1 = env.tun(dev, flags)
-    ring_level_only(dev, 2)   # stops counted here are the ring's, not BQL's
+    ring_level_only(dev)   # stops counted here are the ring's, not BQL's
     setup_ip(dev, tap=False, txqueuelen=RING)
     set_priv_flag(dev, FLAG, True)
     set_fq_codel(dev)
@@ -592,7 +592,7 @@ def test_privflag_off_wakes_detached_stopped_queue(env, record_property):
     dev = q0.name
     require_privflag(env, dev)
     q1 = env.tun(dev, flags)
-    ring_level_only(dev, 2)   # stops counted here are the ring's, not BQL's
+    ring_level_only(dev)   # stops counted here are the ring's, not BQL's
     setup_ip(dev, tap=False, txqueuelen=RING)
     set_fq_codel(dev)
     r0 = env.reader(q0, label="q0")

@@ -439,21 +439,15 @@ def bql(dev: str, queue: int = 0) -> dict | None:
     return {k: int(v) for k, v in (line.split(":", 1) for line in out.split())}
 
 
-def set_bql(dev: str, name: str, value: int, queue: int = 0) -> None:
-    _sysfs_netns(f"echo {value} > {bql_dir(dev, queue)}/{name}")
-
-
-def ring_level_only(dev: str, queues: int = 1) -> None:
+def ring_level_only(dev: str) -> None:
     """For tests of the ring's own stop level (DRV_XOFF, txqueuelen packets):
-    where the kernel keeps byte queue limits under backpressure, the queue
-    would stop at the BQL limit first; raise limit_min to limit_max on each
-    queue so that only the ring stops it, as in series v2 (test_bql.py tests
-    BQL). Call before the device goes up: the limit takes limit_min at the
-    next reset (link up, txqueuelen change, attach). No-op without BQL."""
-    for q in range(queues):
-        b = bql(dev, q)
-        if b is not None:
-            set_bql(dev, "limit_min", b["limit_max"], q)
+    where tun keeps byte queue limits under backpressure, the queue would
+    stop at the BQL limit first; switch BQL off with tun's "bql" ethtool
+    private flag, so that only the ring stops it, as in series v2
+    (test_bql.py tests BQL). Any time, also on a DKMS kernel (no sysfs).
+    No-op on kernels without that flag (no BQL in tun)."""
+    if has_priv_flag(dev, "bql"):
+        set_priv_flag(dev, "bql", False)
 
 
 # --- device setup ----------------------------------------------------------------
