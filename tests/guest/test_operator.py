@@ -544,6 +544,7 @@ def _openvpn_run(env, phases, tmp: str, record_property) -> None:
     log(f"tunnel up: ping {TUNNEL[1]} answered after {time.monotonic() - t0:.1f}s")
 
     sh(f"ip link set dev {dev} txqueuelen {RING}")
+    ring_level_only(dev)   # stops counted here are the ring's, not BQL's
     qspec = set_fq_codel(dev)
     sink = Reader(env._spawn(far.argv([sys.executable,
                                        os.path.join(HERE, "openvpn", "udpsink.py"),
