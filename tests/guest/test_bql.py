@@ -16,10 +16,14 @@ test_bql_ring_holds_limit: 200 x 1000 B into a paused reader, fq_codel,
     in-flight bytes are those of the ring; once the reader resumes, all 200
     arrive, no drop, and nothing is in flight. Without BQL the ring takes
     all 200 (the stop level is 500) and the qdisc holds nothing.
-test_bql_switch_off: "ours without BQL", as the bench measures it: with
-    tun's "bql" ethtool private flag off the ring takes all 200 again and
-    nothing is accounted; switched on again under that backlog, the queue
-    runs on (nothing was accounted: no stop) and all 200 arrive.
+test_bql_switch_off: "ours without BQL", as the bench measures it: after
+    200 datagrams with BQL on, tun's "bql" ethtool private flag off, then
+    a burst at txqueuelen 25: the ring takes 25 (its stop level), fq_codel
+    holds 175, nothing is accounted, and the qdisc hands packets over one at
+    a time (at most one requeue). Without tun_txq_reset()'s recomputation
+    DQL's stale adj_limit (the bytes completed before) is the qdisc's bulk
+    dequeue budget: ~175 packets go to the requeue slot at once. Switched
+    on again under that backlog, all 200 arrive.
 test_bql_lifecycle: a paused reader with bytes in flight, then one
     lifecycle path (queue detach + attach, txqueuelen change, link down/up,
     the operator switch off, the operator switch on over a ring filled
@@ -46,6 +50,7 @@ N = 200            # datagrams per burst
 SIZE = 1000        # UDP payload bytes
 SNDBUF = 16 << 20
 FRESH = 100
+RING = 25          # txqueuelen where the ring's stop level is under test
 IP_UDP = 28        # IPv4 + UDP headers: bytes of one datagram on a tun
 ETH = 14
 
@@ -120,23 +125,38 @@ def test_bql_ring_holds_limit(env, kind, record_property):
 
 
 def test_bql_switch_off(env, record_property):
-    """What the bench calls "ours without BQL": the "bql" private flag off."""
+    """What the bench calls "ours without BQL": the "bql" private flag off,
+    after traffic with BQL on (DQL has completed bytes)."""
     t = env.tun("ndbql0", IFF_TUN | IFF_NO_PI | env.bp_flag())
     if not has_priv_flag(t.name, "bql"):
         pytest.skip("no 'bql' ethtool private flag (no BQL in this tun)")
-    set_priv_flag(t.name, "bql", False)
-    setup_ip(t.name, tap=False)
+    setup_ip(t.name, tap=False, txqueuelen=RING)
     set_fq_codel(t.name)
-    reader = env.reader(t, paused=True)
+    reader = env.reader(t)
+    r = env.burst(N, size=SIZE, ident=3, sndbuf=SNDBUF)
+    assert r["ok"] == N, r
+    assert reader.wait("id3", N, stall_s=60)["result"] == "ok"
+    wait_backlog_zero(t.name)
+    quiesce([reader])
+    reader.pause()
+    set_priv_flag(t.name, "bql", False)
+    q0 = root_qdisc(t.name)
     r = env.burst(N, size=SIZE, ident=1, sndbuf=SNDBUF)
     assert r["ok"] == N, r
     time.sleep(0.3)
-    q = qdisc_totals(t.name)
+    q = root_qdisc(t.name)
     b = bql(t.name)
-    log(f"bql off: qdisc {qsummary(root_qdisc(t.name))} bql {b}")
-    assert q["qlen"] == 0 and tx_dropped(t.name) == 0, "the ring did not take all"
+    requeues = q["requeues"] - q0["requeues"]
+    summary = f"bql off: qdisc {qsummary(q)} requeues +{requeues} bql {b}"
+    log(summary)
+    record_property("requeues", requeues)
+    assert tx_dropped(t.name) == 0, summary
+    assert q["qlen"] == N - RING, f"the ring did not stop at txqueuelen; {summary}"
+    # the qdisc hands packets over one by one, as without BQL (the bulk
+    # dequeue budget is DQL's: not what was completed before the switch)
+    assert requeues <= 1, f"bulk dequeue into the requeue slot; {summary}"
     if b is not None:
-        assert b["inflight"] == 0, f"accounted with BQL off: {b}"
+        assert b["inflight"] == 0, f"accounted with BQL off: {summary}"
     set_priv_flag(t.name, "bql", True)
     drain(env, t, reader, N)
 
