@@ -22,7 +22,8 @@ from .vm import CLOCK_OPTS, GuestResult, boot_and_run, guest_env, report_failure
 # Host environment variables forwarded into the guest (on top of what the lab
 # sets): every NODROP_* the lab does not set itself, the knobs below, bench
 # per-scenario knobs (S<n>_...), and any name listed in NODROP_GUEST_ENV.
-PASSTHROUGH = ("QUICK", "REPS", "DURATION", "SCENARIOS", "SEED", "PYTEST_ADDOPTS")
+PASSTHROUGH = ("QUICK", "REPS", "DURATION", "SCENARIOS", "SEED", "CHAOS_WEIGHTS",
+               "PYTEST_ADDOPTS")
 PASSTHROUGH_RE = re.compile(r"^(NODROP_[A-Z0-9_]+|S[0-9]+_[A-Z0-9_]+)$")
 
 SELFTEST = REPO / "lab" / "selftest"

@@ -61,6 +61,11 @@ QLENS = [1, 2, 10, 64, 100, 500, 1000]
 KEEPS_PROTECTION = ("pause", "backend")
 QDISC_WEIGHT = {"fq_codel": 3, "pfifo": 2, "noqueue": 1, "mq": 2}
 UNQUEUED = ("noqueue", "noop", "none")     # root "qdiscs" that hold nothing
+# rfc2863 operstate "up" (uapi if.h IF_OPER_UP). linkwatch sets it, then
+# activates the qdiscs, when the carrier comes on (closing the last queue
+# turns it off, TUNSETIFF on again); until then the noop qdisc drops what is
+# sent and counts it in tx_dropped, for every device.
+IF_OPER_UP = 6
 QDISCS = {"fq_codel": tl.FQ_CODEL_ARGS, "pfifo": "pfifo limit 1000",
           "noqueue": "noqueue", "mq": None}
 SNDBUF = 4 << 20
@@ -93,6 +98,15 @@ def say(msg: str) -> None:
 
 
 T0 = time.monotonic()
+
+
+def ring_full_delta(a: dict, b: dict) -> dict | None:
+    """Ring-full drops between two snapshots, per queue index and in total
+    (None where the kernel has no such counters)."""
+    if a.get("ring_full") is None or b.get("ring_full") is None:
+        return None
+    return {k: v - a["ring_full"].get(k, 0) for k, v in b["ring_full"].items()
+            if v != a["ring_full"].get(k, 0)}
 
 
 @dataclass
@@ -202,25 +216,42 @@ class Chaos:
         seconds): /proc/net/dev, TUNGETIFF, and the root qdisc the kernel
         reported after the last swap (only a qdisc action changes it)."""
         return {"t": time.monotonic() - T0, "tx_dropped": tl.tx_dropped(DEV),
+                "ring_full": self.ring_full(), **tl.link_state(DEV),
                 "bp": self.kernel_bp(), "qdisc": self.qdisc_kind, "link": self.link_up,
                 "attached": sum(1 for s in self.slots if s.tun is not None and s.attached)}
 
     @staticmethod
+    def ring_full() -> dict | None:
+        """Ring-full drops per queue index and in total (qstats hw_drops),
+        where the kernel reports them: tells a bad window's ring-full drops
+        from the others (no ring at the index, filters) and names the queue."""
+        q = tl.qstats(DEV)
+        if q is None:
+            return None
+        return {"total": q["total"]["hw_drops"],
+                **{f"q{i}": v["hw_drops"] for i, v in sorted(q["queues"].items())}}
+
+    @staticmethod
     def protected(a: dict) -> bool:
-        return a["bp"] and a["qdisc"] not in UNQUEUED and a["link"] and a["attached"] > 0
+        return (a["bp"] and a["qdisc"] not in UNQUEUED and a["link"] and a["attached"] > 0
+                and a["carrier"] == 1 and a["operstate"] == IF_OPER_UP)
 
     def account(self, a: dict, b: dict, what: str) -> None:
         """Window a -> b: no action in between, or one of KEEPS_PROTECTION."""
         d = b["tx_dropped"] - a["tx_dropped"]
-        same = all(a[k] == b[k] for k in ("bp", "qdisc", "link", "attached"))
+        same = all(a[k] == b[k] for k in ("bp", "qdisc", "link", "attached",
+                                          "carrier", "carrier_changes", "operstate"))
         w = self.windows
         if same and self.protected(a):
             w["protected"] += 1
             w["protected_s"] += b["t"] - a["t"]
             w["protected_drops"] += d
             if d:
-                w["bad_windows"].append({"after": what, "drops": d, "from": a, "to": b})
-                say(f"RING DROPS in a protected window after {what}: {d} ({a} -> {b})")
+                w["bad_windows"].append({"after": what, "drops": d,
+                                         "ring_full": ring_full_delta(a, b),
+                                         "from": a, "to": b})
+                say(f"RING DROPS in a protected window after {what}: {d}, ring-full "
+                    f"{ring_full_delta(a, b)} ({a} -> {b})")
         else:
             w["unprotected"] += 1
             w["unprotected_drops"] += d
@@ -332,10 +363,25 @@ class Chaos:
                ("link", 1), ("qdisc", 2), ("flag_reopen", 1), ("privflag", 1)]
 
     # --- the run --------------------------------------------------------------------
+    @classmethod
+    def weights(cls, spec: str) -> dict[str, int]:
+        """ACTIONS' weights, with those CHAOS_WEIGHTS ("flag_reopen=5,link=0")
+        overrides: to aim a round at one transition when reproducing."""
+        w = dict(cls.ACTIONS)
+        for item in filter(None, (x.strip() for x in spec.split(","))):
+            name, _, val = item.partition("=")
+            if name not in w or not val.isdigit():
+                raise ValueError(f"CHAOS_WEIGHTS: {item!r}: want name=int, names {list(w)}")
+            w[name] = int(val)
+        if not any(w.values()):
+            raise ValueError("CHAOS_WEIGHTS: every weight is 0")
+        return w
+
     def run(self, duration: float) -> None:
-        names = [n for n, _ in self.ACTIONS]
-        weights = [w for _, w in self.ACTIONS]
-        say(f"chaos for {duration:.0f}s, seed {self.seed}")
+        w = self.weights(os.environ.get("CHAOS_WEIGHTS", ""))
+        names, weights = list(w), list(w.values())
+        say(f"chaos for {duration:.0f}s, seed {self.seed}"
+            + (f", weights {w}" if os.environ.get("CHAOS_WEIGHTS") else ""))
         end = time.monotonic() + duration
         prev = self.snapshot()
         last = "start"
@@ -359,7 +405,9 @@ class Chaos:
             self.events.append({"t": round(after["t"], 2), "action": what,
                                 "bp": after["bp"], "qdisc": after["qdisc"]})
             say(f"{what}  (bp {'on' if after['bp'] else 'off'}, qdisc {after['qdisc']}, "
-                f"tx_dropped {after['tx_dropped']})")
+                f"tx_dropped {after['tx_dropped']}"
+                + ("" if after["operstate"] == IF_OPER_UP else
+                   f", operstate {after['operstate']} carrier {after['carrier']}") + ")")
             prev, last = after, what
         self.account(prev, self.snapshot(), last)
         self.result["actions"] = counts

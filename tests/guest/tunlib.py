@@ -404,6 +404,31 @@ def qstats(dev: str) -> dict | None:
         return {"queues": queues, "total": tx(dev_rows[0])}
 
 
+# --- link state (rtnetlink RTM_GETLINK; uapi include/uapi/linux/if_link.h) ----------
+_RTM_GETLINK, _RTM_NEWLINK = 18, 16
+_IFLA = {16: "operstate", 33: "carrier", 35: "carrier_changes"}
+
+
+def link_state(dev: str) -> dict:
+    """{"carrier", "carrier_changes", "operstate"} of dev in the caller's
+    netns, without spawning a process (sysfs shows another netns)."""
+    ifindex = socket.if_nametoindex(dev)
+    body = struct.pack("=BxHiII", socket.AF_UNSPEC, 0, ifindex, 0, 0)
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0) as sk:  # NETLINK_ROUTE
+        sk.send(struct.pack("=IHHII", 16 + len(body), _RTM_GETLINK, _NLM_F_REQUEST, 1, 0)
+                + body)
+        data = sk.recv(1 << 16)
+    ln, mtype = struct.unpack_from("=IH", data, 0)
+    if mtype == _NLMSG_ERROR:
+        err = struct.unpack_from("=i", data, 16)[0]
+        raise OSError(-err, os.strerror(-err))
+    if mtype != _RTM_NEWLINK:
+        raise OSError(errno.EPROTO, f"RTM_GETLINK {dev}: reply type {mtype}")
+    attrs = _nla_parse(data[16 + 16:ln])
+    return {name: int.from_bytes(attrs[a], "little") for a, name in _IFLA.items()
+            if a in attrs}
+
+
 def tun_flags_sysfs(dev: str) -> int:
     """/sys/class/net/<dev>/tun_flags as seen from the caller's netns: sysfs
     shows the netns it was mounted in, so mount a fresh one in a private
