@@ -131,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.cmd in ("fuzz", "fuzz-prereqs"):
         from . import fuzz as fuzz_mod
-        if a.cmd == "fuzz":
-            fuzz_mod.check_flavor(mx.flavor(a.flavor))
+        fl = mx.flavor(a.flavor) if a.cmd == "fuzz" else None
+        if fl is not None:
+            fuzz_mod.check_flavor(fl)
         require_root()
         deps_mod.deps()
         deps_mod.ensure_apt(fuzz_mod.FUZZ_APT)
@@ -142,7 +143,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if a.duration <= 0:
             raise LabError("fuzz: DURATION must be a positive number of seconds", rc=2)
-        fl = mx.flavor(a.flavor)
         fetch_all([fl.source])
         return fuzz_mod.fuzz(kernel(fl), a.duration, smoke=a.smoke)
     if a.cmd == "run":

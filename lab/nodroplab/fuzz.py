@@ -213,16 +213,15 @@ def _rmtree_unmounted(path: Path) -> None:
 
 
 def _make_image(d: Path) -> None:
-    from .rootfs import APT, POLICY_RC, _with_debs, chroot, debootstrap
+    from .rootfs import APT, DEBIAN_MIRROR, POLICY_RC, _with_debs, chroot, debootstrap
     tmp = d.with_name(d.name + ".tmp")
     if tmp.exists():
         _rmtree_unmounted(tmp)
     root = tmp / "root"
     tmp.mkdir(parents=True)
     log = tmp / "build.log"
-    mirror = "http://deb.debian.org/debian"
     say(f"fuzz image: debootstrap {IMAGE_SUITE} + {', '.join(IMAGE_PACKAGES)} (log: {log})")
-    debs = debootstrap("fuzz image", IMAGE_SUITE, root, mirror, log)
+    debs = debootstrap("fuzz image", IMAGE_SUITE, root, DEBIAN_MIRROR, log)
     prc = root / "usr/sbin/policy-rc.d"          # never start sshd in the chroot
     prc.write_text(POLICY_RC)
     prc.chmod(0o755)

@@ -41,6 +41,8 @@ from .matrix import MATRIX_FILE
 GUEST_PACKAGES = ["python3", "python3-pytest", "iproute2", "ethtool", "openvpn",
                   "kmod", "procps", "iputils-ping", "util-linux"]
 
+DEBIAN_MIRROR = "http://deb.debian.org/debian"   # a [rootfs.*] flavor's default mirror
+
 POLICY_RC = "#!/bin/sh\n# nodrop lab: never start services in this chroot\nexit 101\n"
 
 
@@ -79,7 +81,7 @@ def load_rootfs() -> dict[str, RootfsFlavor]:
         try:
             out[name] = RootfsFlavor(
                 name=name, description=r.get("description", ""), suite=r["suite"],
-                mirror=r.get("mirror", "http://deb.debian.org/debian"),
+                mirror=r.get("mirror", DEBIAN_MIRROR),
                 security_mirror=r.get("security_mirror", "http://deb.debian.org/debian-security"),
                 kernel=r["kernel"], kernel_version=r["kernel_version"],
                 packages=tuple(r.get("packages", [])),
