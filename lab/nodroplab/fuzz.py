@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import datetime
 import fcntl
 import hashlib
 import json
@@ -283,7 +284,8 @@ def manager_config(cfg: dict, b: Built, syz: Path, img: Path, key: Path, workdir
         "cover": True,
         "reproduce": m["reproduce"],
         "enable_syscalls": m["enable_syscalls"],
-        "focus_areas": cfg["focus_areas"],
+        # an experimental option in the pinned syzkaller (mgrconfig.Experimental)
+        "experimental": {"focus_areas": cfg["focus_areas"]},
         "type": "qemu",
         "vm": vm,
     }
@@ -341,11 +343,34 @@ def collect_crashes(workdir: Path, flavor: str) -> list[dict]:
         if logs:      # the console log of the first occurrence, last 300 lines
             lines = logs[0].read_text(errors="replace").splitlines()[-300:]
             (dst / "console-tail.txt").write_text("\n".join(lines) + "\n")
-        out.append({"title": title, "dir": str(dst.relative_to(REPO)),
+        out.append({"title": title, "kernel": is_kernel_crash(title),
+                    "dir": str(dst.relative_to(REPO)),
                     "occurrences": len(list(d.glob("log*"))),
                     "first_seen": min((p.stat().st_mtime for p in logs), default=None),
                     "reproducer": (d / "repro.prog").is_file(),
                     "c_reproducer": (d / "repro.cprog").is_file()})
+    return out
+
+
+# syzkaller titles of its own failures and of a VM it lost, not kernel reports
+INFRA_TITLES = ("SYZFAIL:", "lost connection to test machine", "no output from test machine",
+                "timed out", "executor failed")
+
+
+def is_kernel_crash(title: str) -> bool:
+    return not title.startswith(INFRA_TITLES)
+
+
+def crash_timeline(log: Path, t0_wall: float) -> list[dict]:
+    """Every crash syz-manager logged ("VM n: crash: <title>"), with the
+    seconds since the run started and whether the title is a kernel report."""
+    out = []
+    for ln in log.read_text(errors="replace").splitlines():
+        m = re.match(r"^(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d) VM \d+: crash: (.*)$", ln)
+        if m:
+            t = datetime.datetime.strptime(m.group(1), "%Y/%m/%d %H:%M:%S").timestamp()
+            out.append({"seconds": round(t - t0_wall), "title": m.group(2),
+                        "kernel": is_kernel_crash(m.group(2))})
     return out
 
 
@@ -441,7 +466,7 @@ def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
     say(f"{b.flavor.name}: syz-manager for {duration}s, {mcfg['vm']['count']} VM(s) x "
         f"{mcfg['vm']['cpu']} vCPU, TCG (http://127.0.0.1:{port}, log {log}, "
         f"workdir {workdir})")
-    t0 = time.monotonic()
+    t0, t0_wall = time.monotonic(), time.time()
     with open(log, "wb") as lf:
         proc = subprocess.Popen([str(syz / "bin/syz-manager"), "-config",
                                  str(out / "manager.json")], stdout=lf,
@@ -465,7 +490,8 @@ def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
                 deadline = time.monotonic() + duration
             if first_crash is None and stats.get("syz_crash_total", 0) > 0:
                 first_crash = round(time.monotonic() - t0)
-                say(f"{b.flavor.name}: first crash after {first_crash}s")
+                say(f"{b.flavor.name}: first crash report after {first_crash}s "
+                    "(syz-manager's count: its own failures too; the titles are in the summary)")
             if int(time.monotonic() - t0) % 300 < 15:
                 say(f"{b.flavor.name}: {time.monotonic() - t0:.0f}s: executed "
                     f"{stats.get('syz_exec_total', 0):.0f}, corpus cover "
@@ -480,6 +506,7 @@ def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
         _stop(proc)
     elapsed = round(time.monotonic() - t0)
     crashes = collect_crashes(workdir, b.flavor.name)
+    timeline = crash_timeline(log, t0_wall)
     for c in crashes:
         c["new_in_this_run"] = c["title"] not in titles_before
     summary = {"flavor": b.flavor.name, "kernelrelease": b.kernelrelease, "run": run_id,
@@ -488,7 +515,10 @@ def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
                "executed": int(stats.get("syz_exec_total", 0)),
                "corpus_cover": int(stats.get("syz_corpus_cover", 0)),
                "crash_reports": int(stats.get("syz_crash_total", 0)),
-               "first_crash_seconds": first_crash, "crashes": crashes,
+               "first_crash_seconds": first_crash,
+               "first_kernel_crash_seconds": next(
+                   (c["seconds"] for c in timeline if c["kernel"]), None),
+               "crash_timeline": timeline, "crashes": crashes,
                "coverage": cover, "workdir": str(workdir)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     say(f"{b.flavor.name}: {elapsed}s, executed {summary['executed']}, "
