@@ -247,11 +247,11 @@ class Chaos:
             w["protected_s"] += b["t"] - a["t"]
             w["protected_drops"] += d
             if d:
-                w["bad_windows"].append({"after": what, "drops": d,
-                                         "ring_full": ring_full_delta(a, b),
+                rf = ring_full_delta(a, b)
+                w["bad_windows"].append({"after": what, "drops": d, "ring_full": rf,
                                          "from": a, "to": b})
                 say(f"RING DROPS in a protected window after {what}: {d}, ring-full "
-                    f"{ring_full_delta(a, b)} ({a} -> {b})")
+                    f"{rf} ({a} -> {b})")
         else:
             w["unprotected"] += 1
             w["unprotected_drops"] += d
@@ -378,10 +378,10 @@ class Chaos:
         return w
 
     def run(self, duration: float) -> None:
-        w = self.weights(os.environ.get("CHAOS_WEIGHTS", ""))
+        spec = os.environ.get("CHAOS_WEIGHTS", "")
+        w = self.weights(spec)
         names, weights = list(w), list(w.values())
-        say(f"chaos for {duration:.0f}s, seed {self.seed}"
-            + (f", weights {w}" if os.environ.get("CHAOS_WEIGHTS") else ""))
+        say(f"chaos for {duration:.0f}s, seed {self.seed}" + (f", weights {w}" if spec else ""))
         end = time.monotonic() + duration
         prev = self.snapshot()
         last = "start"

@@ -348,26 +348,32 @@ def _nla_parse(buf: bytes) -> dict[int, bytes]:
     return attrs
 
 
-def _genl(sk: socket.socket, family: int, cmd: int, attrs: bytes, dump: bool) -> list[dict]:
+def _nl_request(sk: socket.socket, mtype: int, body: bytes, hdr_len: int,
+                dump: bool) -> list[dict]:
+    """One netlink request; the attributes of each reply, which start
+    hdr_len bytes into its payload (the family's fixed header)."""
     flags = _NLM_F_REQUEST | (_NLM_F_DUMP if dump else 0)
-    body = struct.pack("=BBH", cmd, 1, 0) + attrs
-    sk.send(struct.pack("=IHHII", 16 + len(body), family, flags, 1, 0) + body)
+    sk.send(struct.pack("=IHHII", 16 + len(body), mtype, flags, 1, 0) + body)
     out = []
     while True:
         data, off = sk.recv(1 << 16), 0
         while off + 16 <= len(data):
-            ln, mtype = struct.unpack_from("=IH", data, off)
-            if mtype == _NLMSG_DONE:
+            ln, rtype = struct.unpack_from("=IH", data, off)
+            if rtype == _NLMSG_DONE:
                 return out
-            if mtype == _NLMSG_ERROR:
+            if rtype == _NLMSG_ERROR:
                 err = struct.unpack_from("=i", data, off + 16)[0]
                 if err:
                     raise OSError(-err, os.strerror(-err))
                 return out
-            out.append(_nla_parse(data[off + 20:off + ln]))
+            out.append(_nla_parse(data[off + 16 + hdr_len:off + ln]))
             off += (ln + 3) & ~3
             if not dump:
                 return out
+
+
+def _genl(sk: socket.socket, family: int, cmd: int, attrs: bytes, dump: bool) -> list[dict]:
+    return _nl_request(sk, family, struct.pack("=BBH", cmd, 1, 0) + attrs, 4, dump)
 
 
 def qstats(dev: str) -> dict | None:
@@ -405,26 +411,16 @@ def qstats(dev: str) -> dict | None:
 
 
 # --- link state (rtnetlink RTM_GETLINK; uapi include/uapi/linux/if_link.h) ----------
-_RTM_GETLINK, _RTM_NEWLINK = 18, 16
+_RTM_GETLINK = 18
 _IFLA = {16: "operstate", 33: "carrier", 35: "carrier_changes"}
 
 
 def link_state(dev: str) -> dict:
     """{"carrier", "carrier_changes", "operstate"} of dev in the caller's
     netns, without spawning a process (sysfs shows another netns)."""
-    ifindex = socket.if_nametoindex(dev)
-    body = struct.pack("=BxHiII", socket.AF_UNSPEC, 0, ifindex, 0, 0)
+    ifinfomsg = struct.pack("=BxHiII", socket.AF_UNSPEC, 0, socket.if_nametoindex(dev), 0, 0)
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0) as sk:  # NETLINK_ROUTE
-        sk.send(struct.pack("=IHHII", 16 + len(body), _RTM_GETLINK, _NLM_F_REQUEST, 1, 0)
-                + body)
-        data = sk.recv(1 << 16)
-    ln, mtype = struct.unpack_from("=IH", data, 0)
-    if mtype == _NLMSG_ERROR:
-        err = struct.unpack_from("=i", data, 16)[0]
-        raise OSError(-err, os.strerror(-err))
-    if mtype != _RTM_NEWLINK:
-        raise OSError(errno.EPROTO, f"RTM_GETLINK {dev}: reply type {mtype}")
-    attrs = _nla_parse(data[16 + 16:ln])
+        attrs = _nl_request(sk, _RTM_GETLINK, ifinfomsg, len(ifinfomsg), dump=False)[0]
     return {name: int.from_bytes(attrs[a], "little") for a, name in _IFLA.items()
             if a in attrs}
 
