@@ -1,8 +1,9 @@
 """NODROP lab orchestrator: `python3 -m nodroplab <command>` (PYTHONPATH=lab).
 
 Commands: deps, fetch, kernel, run, test, chaos, bench, tools, flavors, kvm,
-dkms, package, test-package (docs/dkms.md); package-prepare is test's
-background helper for the package rows (lab/nodroplab/pkgtest.py).
+dkms, package, test-package (docs/dkms.md); package-prepare and prebuild are
+test's background helpers (the package rows' preparation, pkgtest.py; the
+later rows' kernels, built niced while the first rows' guests run).
 Environment: NODROP_CACHE (default ~/.cache/nodrop), NODROP_JOBS (make -j),
 NODROP_KVM (auto|0|1), NODROP_TIMEOUT (guest command timeout, s),
 NODROP_PYTHON (interpreter for vng and the in-guest pytest).
@@ -79,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                                                ".deb, rootfs, install; see pkgtest.py")
     p.add_argument("out")
     p.add_argument("flavors", nargs="+")
+    p = sub.add_parser("prebuild", help="(internal) build these flavors one after "
+                                        "another; make test runs it niced ahead of the rows")
+    p.add_argument("flavors", nargs="+")
     sub.add_parser("tools", help="make -C tools OUT=<repo>/tools/build")
     sub.add_parser("flavors", help="list the flavors of lab/flavors.toml")
     sub.add_parser("kvm", help="probe whether QEMU can use KVM here")
@@ -145,6 +149,15 @@ def main(argv: list[str] | None = None) -> int:
             raise LabError("fuzz: DURATION must be a positive number of seconds", rc=2)
         fetch_all([fl.source])
         return fuzz_mod.fuzz(kernel(fl), a.duration, smoke=a.smoke)
+    if a.cmd == "prebuild":
+        failed = 0
+        for name in a.flavors:
+            try:
+                kernel(mx.flavor(name))
+            except LabError as e:     # the row's own kernel() reports it
+                say(f"prebuild {name}: {e}")
+                failed += 1
+        return 1 if failed else 0
     if a.cmd == "run":
         fl = mx.flavor(a.flavor)
         cmd = a.command[1:] if a.command[:1] == ["--"] else a.command

@@ -7,6 +7,7 @@ import hashlib
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +110,37 @@ def require_root() -> None:
         print("lab: must run as root (apt-get, QEMU and the in-guest suite need it): "
               "re-run with sudo", file=sys.stderr)
         raise SystemExit(1)
+
+
+class LabChild:
+    """`python -m nodroplab <args>` in its own session (so its whole process
+    group can be killed), output appended to `log`: the lab's background
+    work (package preparation, kernel builds ahead of their rows)."""
+
+    def __init__(self, args: list[str], log: Path, nice: int = 0):
+        env = dict(os.environ, PYTHONPATH=str(LAB_DIR), PYTHONDONTWRITEBYTECODE="1")
+        with open(log, "ab") as lf:
+            self.proc = subprocess.Popen(
+                [*(["nice", "-n", str(nice)] if nice else []), sys.executable, "-m",
+                 "nodroplab", *args], stdout=lf, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait(self) -> int:
+        return self.proc.wait()
+
+    def stop(self) -> None:
+        """Kill the process group if still running (interrupted or failed run)."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if self.proc.poll() is not None:
+                return
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout=10)
+                return
+            except ProcessLookupError:
+                return
+            except subprocess.TimeoutExpired:
+                continue

@@ -292,6 +292,13 @@ def kernel(fl: Flavor, *, rebuild: bool = False) -> Built:
                      series_hash, patches, True, None)
 
     with build_lock():
+        # a background build (`make test` builds later rows' kernels ahead)
+        # may have finished it while we waited for the lock
+        st = None if rebuild else stamp_ok()
+        if st is not None:
+            say(f"{fl.name}: built meanwhile ({st['kernelrelease']}), not running make")
+            return Built(fl, bz, bdir, st["kernelrelease"], src, upstream,
+                         want["config_hash"], series_hash, patches, True, None)
         if fl.series:
             src = prepare_tree(fl, pristine, series_hash)
         bdir.mkdir(parents=True, exist_ok=True)

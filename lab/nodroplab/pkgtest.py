@@ -32,14 +32,12 @@ import os
 import resource
 import shlex
 import shutil
-import signal
 import subprocess
-import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from .common import LAB_DIR, REPO, TOOLS_OUT, LabError, cache_dir, say, tail_lines
+from .common import REPO, TOOLS_OUT, LabChild, LabError, cache_dir, say, tail_lines
 from .dkms import spec
 from .rootfs import RootfsFlavor, chroot_sh, ensure_base, work_copy
 from .suite import _suite_result, passthrough_env, timeout_s
@@ -412,7 +410,7 @@ class PackageTests:
 
     def __init__(self, rfs: list[RootfsFlavor], selection: list[str]):
         self.rfs, self.selection = rfs, selection
-        self.proc: subprocess.Popen | None = None
+        self.proc: LabChild | None = None
         self.out: Path | None = None
         self.cleaners: list[subprocess.Popen] = []
 
@@ -423,18 +421,13 @@ class PackageTests:
         log = out / PREPARE_LOG
         say(f"package tests: preparing {', '.join(rf.name for rf in self.rfs)} in the "
             f"background (log: {log})")
-        env = dict(os.environ, PYTHONPATH=str(LAB_DIR), PYTHONDONTWRITEBYTECODE="1")
-        with open(log, "ab") as lf:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "nodroplab", "package-prepare", str(out),
-                 *(rf.name for rf in self.rfs)], stdout=lf, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self.proc = LabChild(["package-prepare", str(out), *(rf.name for rf in self.rfs)], log)
 
     def rows(self) -> list[dict]:
         if not self.rfs:
             return []
         t0 = time.monotonic()
-        if self.proc.poll() is None:
+        if self.proc.running():
             say("package tests: waiting for the background preparation "
                 f"(log: {self.out / PREPARE_LOG})")
         rc = self.proc.wait()
@@ -457,16 +450,8 @@ class PackageTests:
     def stop(self) -> None:
         """Kill the background preparation if still running (interrupted or
         failed run), remove the copies, wait for the removals."""
-        if self.proc is not None and self.proc.poll() is None:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                    self.proc.wait(timeout=10)
-                    break
-                except ProcessLookupError:
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        if self.proc is not None:
+            self.proc.stop()
         if self.out is not None and self.proc is not None:
             for rf in self.rfs:
                 if not any(str(work_dir(self.out, rf)) in c.args for c in self.cleaners):

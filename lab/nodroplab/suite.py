@@ -12,7 +12,8 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from .common import (REPO, RESULTS, TOOLS_OUT, LabError, now_iso, run, say, timestamp)
+from .common import (REPO, RESULTS, TOOLS_OUT, LabChild, LabError, now_iso, run, say,
+                     timestamp)
 from .deps import lab_python
 from .fetch import fetch
 from .kernel import Built, kernel, tree_dir
@@ -231,13 +232,24 @@ def cmd_test(flavors: list[Flavor], chaos: list[Flavor], package=None,
     rows, tools = _tools_row()
     out = new_results_dir("test")
     say(f"results: {out}")
+    ahead: list[LabChild] = []
+    later = list(dict.fromkeys(f.name for f in flavors[1:] + chaos))
+
+    def build_ahead(b: Built) -> None:
+        # once the first kernel is built, the rest (niced) while guests run:
+        # a TCG guest keeps about one of the two cores busy
+        if later and not ahead and b.flavor is flavors[0]:
+            log = out / "prebuild.log"
+            say(f"building {', '.join(later)} in the background, niced (log: {log})")
+            ahead.append(LabChild(["prebuild", *later], log, nice=10))
     try:
         if package is not None:
             package.start(out)
         if model:
             rows.append(_model_row(out))
         for fl in flavors:
-            rows.append(_suites_row(fl, ["selftest", "guest"], out / fl.name, tools, {}))
+            rows.append(_suites_row(fl, ["selftest", "guest"], out / fl.name, tools, {},
+                                    built=build_ahead))
         if package is not None:
             rows += package.rows()
         for fl in chaos:
@@ -245,6 +257,8 @@ def cmd_test(flavors: list[Flavor], chaos: list[Flavor], package=None,
             rows.append(_suites_row(fl, ["chaos"], out / f"{fl.name}-chaos", tools,
                                     {"DURATION": dur}, label=f"{fl.name} (chaos {dur}s)"))
     finally:
+        for child in ahead:
+            child.stop()
         if package is not None:
             package.stop()
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
@@ -274,8 +288,9 @@ def _tools_row() -> tuple[list[dict], Path | None]:
 
 
 def _suites_row(fl: Flavor, suites: list[str], rw: Path, tools: Path | None,
-                env: dict[str, str], label: str | None = None) -> dict:
-    """Build fl, boot it, run the named in-guest pytest suites; one table row."""
+                env: dict[str, str], label: str | None = None, built=None) -> dict:
+    """Build fl, boot it, run the named in-guest pytest suites; one table row.
+    built: called with the Built kernel before it boots."""
     row = {"flavor": label or fl.name, "kernel": "-", "passed": 0, "failed": 0, "skipped": 0,
            "status": "ok", "notes": []}
     rw.mkdir()
@@ -289,6 +304,8 @@ def _suites_row(fl: Flavor, suites: list[str], rw: Path, tools: Path | None,
         return row
     say(f"=== {row['flavor']}: {b.kernelrelease} ({b.flavor.source.package} "
         f"{b.flavor.source.version}, series {b.series_hash[:12]}) ===")
+    if built is not None:
+        built(b)
     suites = [s for s in suites if SUITES[s][0].is_dir()]
     limit = timeout_s(max(3600.0, float(env.get("DURATION", 0)) + 1800))
     res = boot_and_run(b.bzimage, _test_command(lab_python(), rw, suites), rw,
