@@ -285,20 +285,21 @@ def kernel(fl: Flavor, *, rebuild: bool = False) -> Built:
             return st
         return None
 
-    st = None if rebuild else stamp_ok()
-    if st is not None:
-        say(f"{fl.name}: up to date ({st['kernelrelease']}), not running make")
+    def reuse(how: str) -> Built | None:
+        st = None if rebuild else stamp_ok()
+        if st is None:
+            return None
+        say(f"{fl.name}: {how} ({st['kernelrelease']}), not running make")
         return Built(fl, bz, bdir, st["kernelrelease"], src, upstream, want["config_hash"],
                      series_hash, patches, True, None)
 
+    if (b := reuse("up to date")) is not None:
+        return b
     with build_lock():
         # a background build (`make test` builds later rows' kernels ahead)
         # may have finished it while we waited for the lock
-        st = None if rebuild else stamp_ok()
-        if st is not None:
-            say(f"{fl.name}: built meanwhile ({st['kernelrelease']}), not running make")
-            return Built(fl, bz, bdir, st["kernelrelease"], src, upstream,
-                         want["config_hash"], series_hash, patches, True, None)
+        if (b := reuse("built meanwhile")) is not None:
+            return b
         if fl.series:
             src = prepare_tree(fl, pristine, series_hash)
         bdir.mkdir(parents=True, exist_ok=True)

@@ -232,16 +232,17 @@ def cmd_test(flavors: list[Flavor], chaos: list[Flavor], package=None,
     rows, tools = _tools_row()
     out = new_results_dir("test")
     say(f"results: {out}")
-    ahead: list[LabChild] = []
+    ahead: LabChild | None = None
     later = list(dict.fromkeys(f.name for f in flavors[1:] + chaos))
 
     def build_ahead(b: Built) -> None:
-        # once the first kernel is built, the rest (niced) while guests run:
-        # a TCG guest keeps about one of the two cores busy
-        if later and not ahead and b.flavor is flavors[0]:
+        # once a kernel is built, the later rows' ones (niced) while guests
+        # run: a TCG guest keeps about one of the two cores busy
+        nonlocal ahead
+        if later and ahead is None:
             log = out / "prebuild.log"
             say(f"building {', '.join(later)} in the background, niced (log: {log})")
-            ahead.append(LabChild(["prebuild", *later], log, nice=10))
+            ahead = LabChild(["prebuild", *later], log, nice=10)
     try:
         if package is not None:
             package.start(out)
@@ -257,8 +258,8 @@ def cmd_test(flavors: list[Flavor], chaos: list[Flavor], package=None,
             rows.append(_suites_row(fl, ["chaos"], out / f"{fl.name}-chaos", tools,
                                     {"DURATION": dur}, label=f"{fl.name} (chaos {dur}s)"))
     finally:
-        for child in ahead:
-            child.stop()
+        if ahead is not None:
+            ahead.stop()
         if package is not None:
             package.stop()
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
