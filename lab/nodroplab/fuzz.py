@@ -39,15 +39,17 @@ from pathlib import Path
 from .common import LAB_DIR, REPO, RESULTS, LabError, cache_dir, run, say, timestamp
 from .kernel import Built, _fragment_wants
 from .matrix import Flavor
+from .vm import kvm_probe
 
 FUZZ_FILE = LAB_DIR / "fuzz.toml"
 DESCRIPTIONS = REPO / "fuzz" / "sys"
+SYZ_PATCHES = REPO / "fuzz" / "syzkaller"     # our patches to the pinned syzkaller (patch -p1)
 DEFAULT_MIRROR = "/work/.mirror/google+syzkaller/repo"
 
 # Debian 12 packages: building syzkaller (g++ and static libc/libstdc++ for
 # syz-executor, git for the export), making the image (debootstrap, mkfs.ext4
 # -d), talking to the VMs (ssh, scp, ssh-keygen) and running them (QEMU).
-FUZZ_APT = ["g++", "libc6-dev", "libstdc++-12-dev", "make", "git", "debootstrap",
+FUZZ_APT = ["g++", "libc6-dev", "libstdc++-12-dev", "make", "git", "patch", "debootstrap",
             "debian-archive-keyring", "e2fsprogs", "openssh-client", "qemu-system-x86"]
 
 IMAGE_SUITE = "bookworm"
@@ -113,6 +115,7 @@ def syzkaller(cfg: dict) -> Path:
     commit = cfg["syzkaller"]["commit"]
     h = hashlib.sha256()
     _hash_tree(h, DESCRIPTIONS)
+    _hash_tree(h, SYZ_PATCHES)
     dest = cache_dir() / "syzkaller" / f"{commit[:12]}-{h.hexdigest()[:12]}"
     if not (dest / ".nodrop-built").exists():
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -155,6 +158,13 @@ def _build_syzkaller(commit: str, dest: Path) -> None:
     if arch.wait() != 0:
         raise LabError(f"git archive {commit} from {mirror} failed")
     shutil.copytree(DESCRIPTIONS, tmp / "sys", dirs_exist_ok=True)
+    for p in sorted(SYZ_PATCHES.glob("*.patch")):
+        r = run(["patch", "-p1", "--forward", "-i", str(p)], cwd=tmp, capture=True,
+                check=False, quiet=True)
+        if r.returncode != 0:
+            raise LabError(f"syzkaller {commit[:12]}: our patch {p} does not apply:\n  "
+                           + "\n  ".join((r.stdout + r.stderr).strip().splitlines()[-8:]))
+        say(f"syzkaller {commit[:12]}: applied {p.name}")
     go = _go()
     log = tmp / "nodrop-build.log"
     env = {"PATH": f"{Path(go).parent}:{os.environ.get('PATH', '')}",
@@ -261,11 +271,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def qemu_args(args: str) -> str:
+    """fuzz.toml's QEMU arguments are for TCG; where KVM runs a guest on this
+    host (vm.kvm_probe(), NODROP_KVM=0/1 forces) the VMs use KVM and the
+    host's CPU model instead: some 10x more executions per hour.  syz-manager
+    scales its timeouts for TCG by itself (it reads "-accel tcg")."""
+    ok, why = kvm_probe()
+    if not ok:
+        return args
+    say(f"fuzz: VMs with KVM ({why})")
+    return args.replace("-accel tcg", "-accel kvm").replace("-cpu max", "-cpu host")
+
+
 def manager_config(cfg: dict, b: Built, syz: Path, img: Path, key: Path, workdir: Path,
                    port: int) -> dict:
     m = cfg["manager"]
     vm = dict(cfg["vm"])
     vm["kernel"] = str(b.bzimage)
+    vm["qemu_args"] = qemu_args(vm["qemu_args"])
     return {
         "name": b.flavor.name,
         "target": "linux/amd64",
@@ -512,6 +535,7 @@ def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
     summary = {"flavor": b.flavor.name, "kernelrelease": b.kernelrelease, "run": run_id,
                "syzkaller": cfg["syzkaller"]["commit"], "seconds": elapsed,
                "vms": mcfg["vm"]["count"], "vcpus": mcfg["vm"]["cpu"],
+               "accel": "kvm" if "-accel kvm" in mcfg["vm"]["qemu_args"] else "tcg",
                "executed": int(stats.get("syz_exec_total", 0)),
                "corpus_cover": int(stats.get("syz_corpus_cover", 0)),
                "crash_reports": int(stats.get("syz_crash_total", 0)),
