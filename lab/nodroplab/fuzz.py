@@ -39,7 +39,6 @@ from pathlib import Path
 from .common import LAB_DIR, REPO, RESULTS, LabError, cache_dir, run, say, timestamp
 from .kernel import Built, _fragment_wants
 from .matrix import Flavor
-from .vm import kvm_probe
 
 FUZZ_FILE = LAB_DIR / "fuzz.toml"
 DESCRIPTIONS = REPO / "fuzz" / "sys"
@@ -271,24 +270,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def qemu_args(args: str) -> str:
-    """fuzz.toml's QEMU arguments are for TCG; where KVM runs a guest on this
-    host (vm.kvm_probe(), NODROP_KVM=0/1 forces) the VMs use KVM and the
-    host's CPU model instead: some 10x more executions per hour.  syz-manager
-    scales its timeouts for TCG by itself (it reads "-accel tcg")."""
-    ok, why = kvm_probe()
-    if not ok:
-        return args
-    say(f"fuzz: VMs with KVM ({why})")
-    return args.replace("-accel tcg", "-accel kvm").replace("-cpu max", "-cpu host")
-
-
 def manager_config(cfg: dict, b: Built, syz: Path, img: Path, key: Path, workdir: Path,
                    port: int) -> dict:
     m = cfg["manager"]
     vm = dict(cfg["vm"])
     vm["kernel"] = str(b.bzimage)
-    vm["qemu_args"] = qemu_args(vm["qemu_args"])
     return {
         "name": b.flavor.name,
         "target": "linux/amd64",
@@ -535,7 +521,6 @@ def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
     summary = {"flavor": b.flavor.name, "kernelrelease": b.kernelrelease, "run": run_id,
                "syzkaller": cfg["syzkaller"]["commit"], "seconds": elapsed,
                "vms": mcfg["vm"]["count"], "vcpus": mcfg["vm"]["cpu"],
-               "accel": "kvm" if "-accel kvm" in mcfg["vm"]["qemu_args"] else "tcg",
                "executed": int(stats.get("syz_exec_total", 0)),
                "corpus_cover": int(stats.get("syz_corpus_cover", 0)),
                "crash_reports": int(stats.get("syz_crash_total", 0)),
