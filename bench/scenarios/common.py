@@ -608,6 +608,21 @@ def pktgen_setup(dev: str, threads: int, mode: str, udp_dst: tuple[int, int] = (
     return devs
 
 
+def stop_pktgen(start: subprocess.Popen) -> None:
+    """Stop pktgen and wait for the `echo start` writer to return.  A "stop"
+    written before that writer reached pktgen is lost (count 0 then runs
+    forever: mainline-7.3's s1 hung so in the 25 Nov full run), so write it
+    again until the writer returns."""
+    for _ in range(60):
+        pg_write(f"{PG}/pgctrl", "stop")
+        try:
+            start.wait(timeout=2)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    raise RuntimeError("pktgen did not stop within 120 s of repeated stop commands")
+
+
 def pktgen_reps(dev: str, devs: list[str], snap, reps: int, duration: float,
                 warmup: float) -> list[dict]:
     """`reps` windows of `duration` s after `warmup` s of pktgen: every
@@ -620,8 +635,7 @@ def pktgen_reps(dev: str, devs: list[str], snap, reps: int, duration: float,
         s0 = snap()
         time.sleep(duration)
         s1 = snap()
-        pg_write(f"{PG}/pgctrl", "stop")
-        start.wait(timeout=120)
+        stop_pktgen(start)
         dt = (s1["mech"]["t_ns"] - s0["mech"]["t_ns"]) / 1e9
         rep = {k + "_per_s": (s1[k] - s0[k]) / dt for k in s1
                if isinstance(s1[k], (int, float)) and k != "bad"}
