@@ -273,14 +273,14 @@ def _boot_once(bzimage, rwdir, meta, console, use_kvm, timeout, boot_timeout, re
                 for t in tails:
                     t.pump()
             now = time.monotonic()
-            if use_kvm and booted_at is None and int(now - t0) % 2 == 0:
-                # QEMU prints KVM_ERROR and pauses the guest for good; a guest
-                # that KVM runs prints its banner within seconds, and one that
-                # printed nothing after KVM_SILENT_S hangs (seen with KASAN
-                # kernels here): do not wait for the boot timeout,
-                # boot_and_run() retries with TCG
+            if use_kvm and int(now - t0) % 2 == 0:
+                # QEMU prints KVM_ERROR and pauses the guest for good (at any
+                # time); a guest that KVM runs prints its banner within
+                # seconds, and one that printed nothing after KVM_SILENT_S
+                # hangs (seen with KASAN kernels here): do not wait for a
+                # timeout, boot_and_run() runs it again with TCG
                 kvm_error = (_console_tail_has(console, KVM_ERROR)
-                             or (now - t0 > KVM_SILENT_S
+                             or (booted_at is None and now - t0 > KVM_SILENT_S
                                  and not _console_has_banner(console)))
                 if kvm_error:
                     break
