@@ -56,15 +56,10 @@ def kvm_probe() -> tuple[bool, str]:
     if force in ("0", "1"):
         _KVM = (force == "1", f"forced by NODROP_KVM={force}")
         return _KVM
+    key = _probe_key()
     try:
-        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot_id = "?"
-    qv = _qemu_version()
-    cache = cache_dir() / "kvm-probe.json"
-    try:
-        c = json.loads(cache.read_text())
-        if c.get("boot_id") == boot_id and c.get("qemu") == qv:
+        c = json.loads(_probe_cache().read_text())
+        if (c.get("boot_id"), c.get("qemu")) == key:
             _KVM = (bool(c["kvm"]), c["reason"] + " (probed earlier this host boot)")
             return _KVM
     except (OSError, ValueError, KeyError):
@@ -89,10 +84,32 @@ def kvm_probe() -> tuple[bool, str]:
                               f"{err[0] if err else ''})")
         except subprocess.TimeoutExpired:
             res = (False, "KVM probe guest did not finish in 15s")
-    cache.write_text(json.dumps({"boot_id": boot_id, "qemu": qv, "kvm": res[0],
-                                 "reason": res[1]}) + "\n")
-    _KVM = res
+    _remember(res)
     return res
+
+
+def _probe_cache() -> Path:
+    return cache_dir() / "kvm-probe.json"
+
+
+def _probe_key() -> tuple[str, str]:
+    """What the cached verdict holds for: this host boot, this QEMU."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = "?"
+    return boot_id, _qemu_version()
+
+
+def _remember(res: tuple[bool, str]) -> None:
+    """The KVM verdict for this process and, through the cache, for every
+    lab process of this host boot."""
+    global _KVM
+    _KVM = res
+    boot_id, qv = _probe_key()
+    _probe_cache().parent.mkdir(parents=True, exist_ok=True)
+    _probe_cache().write_text(json.dumps({"boot_id": boot_id, "qemu": qv, "kvm": res[0],
+                                          "reason": res[1]}) + "\n")
 
 
 @dataclass
@@ -221,19 +238,9 @@ def boot_and_run(bzimage: Path, cmd: str, rwdir: Path, *, env: dict[str, str],
 
 
 def kvm_broken(reason: str) -> None:
-    """Record that KVM failed a real guest: TCG for the rest of this process
-    and, through the probe's cache, for every lab process of this host boot
-    (a 7-byte probe guest can run where a distribution kernel's
-    decompressor stops with an emulation failure)."""
-    global _KVM
-    _KVM = (False, reason)
-    try:
-        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        (cache_dir() / "kvm-probe.json").write_text(json.dumps(
-            {"boot_id": boot_id, "qemu": _qemu_version(), "kvm": False,
-             "reason": reason}) + "\n")
-    except OSError:
-        pass
+    """Record that KVM failed a real guest (a 7-byte probe guest can run where
+    a distribution kernel's decompressor stops with an emulation failure)."""
+    _remember((False, reason))
 
 
 def _boot_once(bzimage, rwdir, meta, console, use_kvm, timeout, boot_timeout, relay,
