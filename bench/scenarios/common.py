@@ -623,17 +623,27 @@ def stop_pktgen(start: subprocess.Popen) -> None:
     raise RuntimeError("pktgen did not stop within 120 s of repeated stop commands")
 
 
+BQL_SAMPLES = 8     # samples of queue 0's BQL state per pktgen window
+
+
 def pktgen_reps(dev: str, devs: list[str], snap, reps: int, duration: float,
-                warmup: float) -> list[dict]:
+                warmup: float, bql=None) -> list[dict]:
     """`reps` windows of `duration` s after `warmup` s of pktgen: every
     numeric field of snap() as a rate (<name>_per_s); snap()'s "mech" (a
-    mech_snap) as mech_rates(); the ring and qdisc drained between reps."""
+    mech_snap) as mech_rates(); the ring and qdisc drained between reps.
+    bql: a bql_state() sampler; its limit and inflight, sampled BQL_SAMPLES
+    times across the window, as bql_limit/bql_inflight (median) and
+    bql_limit_max."""
     out = []
     for _ in range(reps):
         start = subprocess.Popen(["sh", "-c", f"echo start > {PG}/pgctrl"])
         time.sleep(warmup)
         s0 = snap()
-        time.sleep(duration)
+        samples = []
+        for _ in range(BQL_SAMPLES if bql else 1):
+            time.sleep(duration / (BQL_SAMPLES if bql else 1))
+            if bql:
+                samples.append(bql() or {})
         s1 = snap()
         stop_pktgen(start)
         dt = (s1["mech"]["t_ns"] - s0["mech"]["t_ns"]) / 1e9
@@ -642,6 +652,11 @@ def pktgen_reps(dev: str, devs: list[str], snap, reps: int, duration: float,
         rep["seconds"] = dt
         rep["bad"] = s1.get("bad", 0)
         rep.update(mech_rates(s0["mech"], s1["mech"]))
+        limits = [x["limit"] for x in samples if x.get("limit") is not None]
+        if limits:
+            rep["bql_limit"] = statistics.median(limits)
+            rep["bql_limit_max"] = max(limits)
+            rep["bql_inflight"] = statistics.median(x.get("inflight") or 0 for x in samples)
         out.append(rep)
         t_end = time.monotonic() + 30
         while time.monotonic() < t_end and qdisc_counts(dev)["qlen"]:
@@ -683,7 +698,11 @@ def pktgen_point(tools: str, cfg: dict, threads: int, mode: str, vnet: bool,
                         "pg_sent": sum(x[0] for x in pg),
                         "pg_errors": sum(x[1] for x in pg), "bad": r["bad"],
                         "mech": mech_snap("pg0")}
-            point["reps"] = pktgen_reps("pg0", devs, snap, reps, duration, warmup)
+            bql = None
+            if cfg["flag"] and not cfg.get("bql"):
+                fs = Sysfs(procs)
+                bql = lambda: bql_state(fs, "pg0")   # noqa: E731
+            point["reps"] = pktgen_reps("pg0", devs, snap, reps, duration, warmup, bql)
             reader.quit()
     finally:
         procs.close()
@@ -712,7 +731,9 @@ def say_pktgen(tag: str, pt: dict) -> None:
     say(f"   {tag}: recv {summ(r, 'recv_per_s')} pps, ring drops "
         f"{summ(r, 'tx_dropped_per_s')}/s, qdisc drops {summ(r, 'qdisc_drops_per_s')}/s, "
         f"guest ns/pkt {summ(r, 'gns_per_pkt')}, stops/kpkt {summ(r, 'stops_per_kpkt')}, "
-        f"requeues/kpkt {summ(r, 'requeues_per_kpkt')}")
+        f"requeues/kpkt {summ(r, 'requeues_per_kpkt')}"
+        + (f", BQL limit {summ(r, 'bql_limit')} B (max {summ(r, 'bql_limit_max')}) "
+           f"inflight {summ(r, 'bql_inflight')} B" if any("bql_limit" in x for x in r) else ""))
 
 
 def has_bql() -> bool:

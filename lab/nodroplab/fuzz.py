@@ -486,8 +486,12 @@ def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
     # smoke: DURATION of executing programs, after the VM's boot (up to SMOKE_BOOT)
     deadline = t0 + (SMOKE_BOOT if smoke else duration)
     booting = smoke
+    # SIGINT/SIGTERM (Ctrl-C, kill) end the run early, with its summary
+    stopped: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, _f: stopped.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
+        while time.monotonic() < deadline and proc.poll() is None and not stopped:
             time.sleep(15)
             s = _metrics(port)
             if s:
@@ -510,8 +514,13 @@ def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
             tail = "\n  ".join(log.read_text(errors="replace").splitlines()[-20:])
             raise LabError(f"{b.flavor.name}: syz-manager exited early (exit "
                            f"{proc.returncode}); last lines of {log}:\n  {tail}")
+        if stopped:
+            say(f"{b.flavor.name}: {signal.Signals(stopped[0]).name} after "
+                f"{time.monotonic() - t0:.0f}s: ending the run early")
         cover = coverage(port, changed, paths) if not smoke else {}
     finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
         _stop(proc)
     elapsed = round(time.monotonic() - t0)
     crashes = collect_crashes(workdir, b.flavor.name)
@@ -525,6 +534,7 @@ def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
                "corpus_cover": int(stats.get("syz_corpus_cover", 0)),
                "crash_reports": int(stats.get("syz_crash_total", 0)),
                "first_crash_seconds": first_crash,
+               "stopped_early": bool(stopped),
                "first_kernel_crash_seconds": next(
                    (c["seconds"] for c in timeline if c["kernel"]), None),
                "crash_timeline": timeline, "crashes": crashes,

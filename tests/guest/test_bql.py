@@ -1,10 +1,10 @@
-"""Byte queue limits under backpressure (NODROP patches 0010-0012).
+"""Byte queue limits under backpressure (NODROP patches 0010-0013).
 
 With backpressure tun accounts the bytes its rings hold per TX queue (BQL),
 so the queue stops at the BQL limit (the core's STACK_XOFF) long before the
 ring's own stop level (txqueuelen packets), and the backlog waits in the
 qdisc. The limit and the bytes in flight are in
-/sys/class/net/<dev>/queues/tx-<n>/byte_queue_limits/ (patch 0012; a DKMS
+/sys/class/net/<dev>/queues/tx-<n>/byte_queue_limits/ (patch 0013; a DKMS
 build on Debian's kernel has BQL but not that directory).
 
 Feature detection: IFF_BACKPRESSURE in TUNGETFEATURES (else skip); the
@@ -12,8 +12,9 @@ sysfs checks only where the directory exists.
 
 test_bql_ring_holds_limit: 200 x 1000 B into a paused reader, fq_codel,
     default txqueuelen (tun 500, tap 1000): the ring takes what BQL allows
-    (a freshly reset limit is 0: one packet), the qdisc holds the rest; the
-    in-flight bytes are those of the ring; once the reader resumes, all 200
+    (a freshly reset limit is its floor, two frames of the MTU: 3 packets),
+    the qdisc holds the rest; the in-flight bytes are those of the ring;
+    once the reader resumes, all 200
     arrive, no drop, and nothing is in flight. Without BQL the ring takes
     all 200 (the stop level is 500) and the qdisc holds nothing.
 test_bql_switch_off: "ours without BQL", as the bench measures it: after
@@ -32,11 +33,19 @@ test_bql_lifecycle: a paused reader with bytes in flight, then one
     Without the resets the queue stays stopped (detach purges accounted
     packets); without the in-flight bound of completions, the flag-on path
     BUG()s in dql_completed().
+test_bql_wakes_in_batches: 200 x 100 B into a tun nobody reads, fq_codel:
+    the ring takes what the limit's floor (two frames of the MTU) allows,
+    then the test reads one packet at a time. The qdisc keeps its whole
+    backlog until at most half the limit is in flight, then hands over a
+    batch (patch 0012). Without the floor the limit is one packet's worth;
+    without the half-limit wake-up each read lets one packet in.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import time
 
 import pytest
@@ -120,7 +129,7 @@ def test_bql_ring_holds_limit(env, kind, record_property):
         assert b["inflight"] == in_ring * wire_bytes(kind == "tap"), b
         assert b["inflight"] <= b["limit"] + wire_bytes(kind == "tap"), b
     else:
-        log("NOTICE: no byte_queue_limits in sysfs (kernel without patch 0012)")
+        log("NOTICE: no byte_queue_limits in sysfs (kernel without patch 0013)")
     drain(env, t, reader, N)
 
 
@@ -242,7 +251,7 @@ def test_bql_vhost_giveback(env, record_property):
         pytest.skip(f"no {VHOST_DEV}")
     t = env.tun("ndbqlv0", IFF_TAP | IFF_NO_PI | env.bp_flag())
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0012)")
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0013)")
     setup_ip(t.name, tap=True)
     set_fq_codel(t.name)
     # no buffer posted: vhost runs once at the first packet and takes what
@@ -272,5 +281,64 @@ def test_bql_vhost_giveback(env, record_property):
     assert r["result"] == "ok", f"STALL after give-back; {summary}"
     wait_backlog_zero(t.name)
     quiesce([rx])
+    assert tx_dropped(t.name) == 0
+    assert bql(t.name)["inflight"] == 0, bql(t.name)
+
+
+SMALL = 100        # UDP payload bytes: many packets under the limit's floor
+
+
+def test_bql_wakes_in_batches(env, record_property):
+    """A queue BQL stopped runs again once at most half its limit is in
+    flight, and the limit is at least two frames of the MTU: each wake-up
+    lets a batch in, not a packet per read()."""
+    t = env.tun("ndbql0", IFF_TUN | IFF_NO_PI | env.bp_flag())
+    if bql(t.name) is None:
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0013)")
+    setup_ip(t.name, tap=False)
+    set_fq_codel(t.name)
+    wire = SMALL + IP_UDP
+    r = env.burst(N, size=SMALL, ident=6, sndbuf=SNDBUF)
+    assert r["ok"] == N, r
+    time.sleep(0.3)
+    b = bql(t.name)
+    qlen = qdisc_totals(t.name)["qlen"]
+    in_ring = N - qlen - tx_dropped(t.name)
+    mtu = json.loads(sh(f"ip -j link show dev {t.name}").stdout)[0]["mtu"]
+    steps = [f"burst: ring {in_ring}, qdisc {qlen}, bql {b}"]
+    record_property("bql_after_burst", str(b))
+    assert tx_dropped(t.name) == 0
+    assert b["limit_min"] == 2 * mtu, steps
+    assert in_ring * wire > b["limit_min"] // 2 + wire, f"no batch to take: {steps}"
+
+    def take() -> None:
+        ready, _, _ = select.select([t.fd], [], [], 10)
+        assert ready, f"nothing to read; {steps}"
+        assert os.read(t.fd, 65536)
+
+    got, refill = 0, None
+    while got < in_ring:
+        take()
+        got += 1
+        time.sleep(0.1)   # a wake-up's qdisc run may go to ksoftirqd
+        q, b = qdisc_totals(t.name)["qlen"], bql(t.name)
+        steps.append(f"read {got}: qdisc {q}, bql {b}")
+        if q < qlen:
+            refill = (got, qlen - q)
+            break
+        # still stopped: more than half the limit in flight
+        assert b["inflight"] == (in_ring - got) * wire, steps
+        assert b["inflight"] > b["limit"] // 2, f"not woken at half the limit: {steps}"
+    log("\n".join(steps))
+    assert refill, f"the qdisc never got to run: {steps}"
+    reads, batch = refill
+    assert (in_ring - reads) * wire <= b["limit"] // 2 + wire, steps
+    assert batch > 1, f"one packet per wake-up: {steps}"
+    # the rest arrives, nothing dropped, nothing left in flight
+    got = reads
+    while got < N:
+        take()
+        got += 1
+    wait_backlog_zero(t.name)
     assert tx_dropped(t.name) == 0
     assert bql(t.name)["inflight"] == 0, bql(t.name)
