@@ -370,6 +370,13 @@ def is_kernel_crash(title: str) -> bool:
     return not title.startswith(INFRA_TITLES)
 
 
+def broken_seeds(log: Path) -> int:
+    """Seed programs syz-manager could not parse (its start-up log line);
+    ours are fuzz/sys/linux/test/*, copied into sys/linux/test/."""
+    m = re.search(r"broken seeds: (\d+)", log.read_text(errors="replace"))
+    return int(m.group(1)) if m else 0
+
+
 def crash_timeline(log: Path, t0_wall: float) -> list[dict]:
     """Every crash syz-manager logged ("VM n: crash: <title>"), with the
     seconds since the run started and whether the title is a kernel report."""
@@ -496,6 +503,10 @@ def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
             s = _metrics(port)
             if s:
                 stats = s
+            if n := broken_seeds(log):
+                raise LabError(f"{b.flavor.name}: syz-manager could not parse {n} seed "
+                               f"program(s) (ours: fuzz/sys/linux/test/; the reason is in "
+                               f"{log})")
             if booting and stats.get("syz_exec_total", 0) > 0:
                 booting = False
                 say(f"{b.flavor.name}: smoke: programs executing after "
