@@ -43,6 +43,7 @@ from .matrix import Flavor
 FUZZ_FILE = LAB_DIR / "fuzz.toml"
 DESCRIPTIONS = REPO / "fuzz" / "sys"
 SYZ_PATCHES = REPO / "fuzz" / "syzkaller"     # our patches to the pinned syzkaller (patch -p1)
+SEEDCHECK = REPO / "fuzz" / "seedcheck"       # bin/nodrop-seedcheck: our seeds must parse strictly
 DEFAULT_MIRROR = "/work/.mirror/google+syzkaller/repo"
 
 # Debian 12 packages: building syzkaller (g++ and static libc/libstdc++ for
@@ -115,6 +116,7 @@ def syzkaller(cfg: dict) -> Path:
     h = hashlib.sha256()
     _hash_tree(h, DESCRIPTIONS)
     _hash_tree(h, SYZ_PATCHES)
+    _hash_tree(h, SEEDCHECK)
     dest = cache_dir() / "syzkaller" / f"{commit[:12]}-{h.hexdigest()[:12]}"
     if not (dest / ".nodrop-built").exists():
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -187,6 +189,19 @@ def _build_syzkaller(commit: str, dest: Path) -> None:
     for b in ("bin/syz-manager", "bin/syz-repro", "bin/linux_amd64/syz-executor"):
         if not (tmp / b).is_file():
             raise LabError(f"building syzkaller: {b} missing after make (log: {log})")
+    # our seed programs (fuzz/sys/linux/test/, copied over sys/linux/test/)
+    # against the descriptions just built: syz-manager would skip a broken one
+    shutil.copytree(SEEDCHECK, tmp / "tools" / "nodrop-seedcheck")
+    run([go, "build", "-o", "bin/nodrop-seedcheck", "./tools/nodrop-seedcheck"], cwd=tmp,
+        env=env, log=log, quiet=True)
+    seeds = sorted(str(p.relative_to(DESCRIPTIONS)) for p in DESCRIPTIONS.glob("*/test/*"))
+    r = run([str(tmp / "bin/nodrop-seedcheck"), *seeds], cwd=tmp / "sys", capture=True,
+            check=False, quiet=True)
+    if r.returncode != 0:
+        raise LabError("our syzkaller seed programs do not parse against the descriptions "
+                       "(fuzz/sys/):\n  " + "\n  ".join(
+                           ln for ln in r.stdout.splitlines() if not ln.endswith(": ok")))
+    say(f"syzkaller {commit[:12]}: {len(seeds)} seed program(s) of ours parse strictly")
     (tmp / ".nodrop-built").write_text(json.dumps(
         {"commit": commit, "seconds": round(time.monotonic() - t0)}) + "\n")
     if dest.exists():
