@@ -635,7 +635,8 @@ def pktgen_reps(dev: str, devs: list[str], snap, reps: int, duration: float,
     times across the window, as bql_limit/bql_inflight (median) and
     bql_limit_max."""
     out = []
-    for _ in range(reps):
+    retries = 2     # windows in which pktgen sent nothing, measured again
+    while len(out) < reps:
         start = subprocess.Popen(["sh", "-c", f"echo start > {PG}/pgctrl"])
         time.sleep(warmup)
         s0 = snap()
@@ -646,6 +647,16 @@ def pktgen_reps(dev: str, devs: list[str], snap, reps: int, duration: float,
                 samples.append(bql() or {})
         s1 = snap()
         stop_pktgen(start)
+        if retries and "pg_sent" in s1 and s1["pg_sent"] == s0["pg_sent"] and \
+                s1.get("pg_errors") == s0.get("pg_errors"):
+            # seen once in 25 Nov's run (s2, vhost, 2 threads): pktgen did
+            # not run in the window at all, neither sent nor failed a packet
+            # ("already stopped" in dmesg): nothing the device did, so
+            # measure the window again (a stalled queue would show as
+            # pktgen errors, or as sent packets nobody received)
+            retries -= 1
+            say("   pktgen did not run in this window: measuring it again")
+            continue
         dt = (s1["mech"]["t_ns"] - s0["mech"]["t_ns"]) / 1e9
         rep = {k + "_per_s": (s1[k] - s0[k]) / dt for k in s1
                if isinstance(s1[k], (int, float)) and k != "bad"}
