@@ -385,10 +385,10 @@ def is_kernel_crash(title: str) -> bool:
     return not title.startswith(INFRA_TITLES)
 
 
-def broken_seeds(log: Path) -> int:
+def broken_seeds(log_text: str) -> int:
     """Seed programs syz-manager could not parse (its start-up log line);
     ours are fuzz/sys/linux/test/*, copied into sys/linux/test/."""
-    m = re.search(r"broken seeds: (\d+)", log.read_text(errors="replace"))
+    m = re.search(r"broken seeds: (\d+)", log_text)
     return int(m.group(1)) if m else 0
 
 
@@ -510,6 +510,7 @@ def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
     booting = smoke
     # SIGINT/SIGTERM (Ctrl-C, kill) end the run early, with its summary
     stopped: list[int] = []
+    seeds_loaded = False
     handlers = {sig: signal.signal(sig, lambda signum, _f: stopped.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -518,10 +519,14 @@ def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
             s = _metrics(port)
             if s:
                 stats = s
-            if n := broken_seeds(log):
-                raise LabError(f"{b.flavor.name}: syz-manager could not parse {n} seed "
-                               f"program(s) (ours: fuzz/sys/linux/test/; the reason is in "
-                               f"{log})")
+            if not seeds_loaded:
+                # until its "corpus : N (M seeds)" line: seeds are loaded then
+                text = log.read_text(errors="replace")
+                seeds_loaded = " seeds)" in text
+                if n := broken_seeds(text):
+                    raise LabError(f"{b.flavor.name}: syz-manager could not parse {n} seed "
+                                   f"program(s) (ours: fuzz/sys/linux/test/; the reason is "
+                                   f"in {log})")
             if booting and stats.get("syz_exec_total", 0) > 0:
                 booting = False
                 say(f"{b.flavor.name}: smoke: programs executing after "
