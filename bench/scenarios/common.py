@@ -710,7 +710,7 @@ def pktgen_point(tools: str, cfg: dict, threads: int, mode: str, vnet: bool,
                         "pg_errors": sum(x[1] for x in pg), "bad": r["bad"],
                         "mech": mech_snap("pg0")}
             bql = None
-            if cfg["flag"] and not cfg.get("bql"):
+            if cfg["flag"]:     # bp and bp-nobql alike: the same sampling work in both
                 fs = Sysfs(procs)
                 bql = lambda: bql_state(fs, "pg0")   # noqa: E731
             point["reps"] = pktgen_reps("pg0", devs, snap, reps, duration, warmup, bql)
