@@ -316,23 +316,43 @@ def test_bql_wakes_in_batches(env, record_property):
         assert ready, f"nothing to read; {steps}"
         assert os.read(t.fd, 65536)
 
+    def qdisc_after(seconds: float) -> int:
+        """The qdisc's backlog once it moved below qlen, or after seconds
+        (a wake-up's qdisc run may go to ksoftirqd)."""
+        end = time.monotonic() + seconds
+        while True:
+            q = qdisc_totals(t.name)["qlen"]
+            if q < qlen or time.monotonic() > end:
+                return q
+            time.sleep(0.05)
+
     got, refill = 0, None
     while got < in_ring:
         take()
         got += 1
-        time.sleep(0.1)   # a wake-up's qdisc run may go to ksoftirqd
-        q, b = qdisc_totals(t.name)["qlen"], bql(t.name)
+        q = qdisc_after(0.1)
+        b = bql(t.name)
+        # a refill dequeues before it fills the ring: with the qdisc still
+        # full after reading bql, bql was read before any refill
+        q = min(q, qdisc_totals(t.name)["qlen"])
         steps.append(f"read {got}: qdisc {q}, bql {b}")
-        if q < qlen:
-            refill = (got, qlen - q)
-            break
-        # still stopped: more than half the limit in flight
-        assert b["inflight"] == (in_ring - got) * wire, steps
-        assert b["inflight"] > b["limit"] // 2, f"not woken at half the limit: {steps}"
+        if q == qlen:
+            # no refill yet: exactly the ring's bytes in flight
+            assert b["inflight"] == (in_ring - got) * wire, steps
+            if b["inflight"] > b["limit"] // 2:
+                continue
+            # half the limit is free: the queue must run now
+            q = qdisc_after(5)
+            steps.append(f"  then: qdisc {q}")
+            assert q < qlen, f"STALL: half the limit free, the qdisc did not run: {steps}"
+        refill = (got, qlen - q)
+        break
     log("\n".join(steps))
     assert refill, f"the qdisc never got to run: {steps}"
     reads, batch = refill
-    assert (in_ring - reads) * wire <= b["limit"] // 2 + wire, steps
+    # woken exactly when at most half the limit was left in flight
+    assert (in_ring - reads) * wire <= b["limit"] // 2, f"woken early: {steps}"
+    assert (in_ring - reads + 1) * wire > b["limit"] // 2, f"woken late: {steps}"
     assert batch > 1, f"one packet per wake-up: {steps}"
     # the rest arrives, nothing dropped, nothing left in flight
     got = reads
