@@ -640,9 +640,9 @@ def pktgen_reps(dev: str, devs: list[str], snap, reps: int, duration: float,
         start = subprocess.Popen(["sh", "-c", f"echo start > {PG}/pgctrl"])
         time.sleep(warmup)
         s0 = snap()
-        samples = []
-        for _ in range(BQL_SAMPLES if bql else 1):
-            time.sleep(duration / (BQL_SAMPLES if bql else 1))
+        samples, n = [], BQL_SAMPLES if bql else 1
+        for _ in range(n):
+            time.sleep(duration / n)
             if bql:
                 samples.append(bql() or {})
         s1 = snap()

@@ -385,13 +385,6 @@ def is_kernel_crash(title: str) -> bool:
     return not title.startswith(INFRA_TITLES)
 
 
-def broken_seeds(log_text: str) -> int:
-    """Seed programs syz-manager could not parse (its start-up log line);
-    ours are fuzz/sys/linux/test/*, copied into sys/linux/test/."""
-    m = re.search(r"broken seeds: (\d+)", log_text)
-    return int(m.group(1)) if m else 0
-
-
 def crash_timeline(log: Path, t0_wall: float) -> list[dict]:
     """Every crash syz-manager logged ("VM n: crash: <title>"), with the
     seconds since the run started and whether the title is a kernel report."""
@@ -510,7 +503,6 @@ def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
     booting = smoke
     # SIGINT/SIGTERM (Ctrl-C, kill) end the run early, with its summary
     stopped: list[int] = []
-    seeds_loaded = False
     handlers = {sig: signal.signal(sig, lambda signum, _f: stopped.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -519,14 +511,6 @@ def fuzz(b: Built, duration: int, *, smoke: bool = False) -> int:
             s = _metrics(port)
             if s:
                 stats = s
-            if not seeds_loaded:
-                # until its "corpus : N (M seeds)" line: seeds are loaded then
-                text = log.read_text(errors="replace")
-                seeds_loaded = " seeds)" in text
-                if n := broken_seeds(text):
-                    raise LabError(f"{b.flavor.name}: syz-manager could not parse {n} seed "
-                                   f"program(s) (ours: fuzz/sys/linux/test/; the reason is "
-                                   f"in {log})")
             if booting and stats.get("syz_exec_total", 0) > 0:
                 booting = False
                 say(f"{b.flavor.name}: smoke: programs executing after "

@@ -10,6 +10,7 @@ tails the files while the guest runs and relays them to its own terminal.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -92,8 +93,10 @@ def _probe_cache() -> Path:
     return cache_dir() / "kvm-probe.json"
 
 
+@functools.lru_cache(maxsize=None)
 def _probe_key() -> tuple[str, str]:
-    """What the cached verdict holds for: this host boot, this QEMU."""
+    """What the cached verdict holds for: this host boot, this QEMU (asked
+    once per process: kvm_probe() and _remember() both need it)."""
     try:
         boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -107,9 +110,10 @@ def _remember(res: tuple[bool, str]) -> None:
     global _KVM
     _KVM = res
     boot_id, qv = _probe_key()
-    _probe_cache().parent.mkdir(parents=True, exist_ok=True)
-    _probe_cache().write_text(json.dumps({"boot_id": boot_id, "qemu": qv, "kvm": res[0],
-                                          "reason": res[1]}) + "\n")
+    cache = _probe_cache()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"boot_id": boot_id, "qemu": qv, "kvm": res[0],
+                                 "reason": res[1]}) + "\n")
 
 
 @dataclass

@@ -43,7 +43,6 @@ test_bql_wakes_in_batches: 200 x 100 B into a tun nobody reads, fq_codel:
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import time
@@ -52,7 +51,7 @@ import pytest
 
 from test_lifecycle import quiesce
 from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TAP, IFF_TUN, bql, has_priv_flag,
-                    log, qdisc_totals, qsummary, root_qdisc, set_fq_codel,
+                    link_state, log, qdisc_totals, qsummary, root_qdisc, set_fq_codel,
                     set_priv_flag, setup_ip, sh, tx_dropped, wait_backlog_zero)
 
 N = 200            # datagrams per burst
@@ -304,7 +303,7 @@ def test_bql_wakes_in_batches(env, record_property):
     b = bql(t.name)
     qlen = qdisc_totals(t.name)["qlen"]
     in_ring = N - qlen - tx_dropped(t.name)
-    mtu = json.loads(sh(f"ip -j link show dev {t.name}").stdout)[0]["mtu"]
+    mtu = link_state(t.name)["mtu"]
     steps = [f"burst: ring {in_ring}, qdisc {qlen}, bql {b}"]
     record_property("bql_after_burst", str(b))
     assert tx_dropped(t.name) == 0

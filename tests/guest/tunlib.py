@@ -412,11 +412,11 @@ def qstats(dev: str) -> dict | None:
 
 # --- link state (rtnetlink RTM_GETLINK; uapi include/uapi/linux/if_link.h) ----------
 _RTM_GETLINK = 18
-_IFLA = {16: "operstate", 33: "carrier", 35: "carrier_changes"}
+_IFLA = {4: "mtu", 16: "operstate", 33: "carrier", 35: "carrier_changes"}
 
 
 def link_state(dev: str) -> dict:
-    """{"carrier", "carrier_changes", "operstate"} of dev in the caller's
+    """{"mtu", "carrier", "carrier_changes", "operstate"} of dev in the caller's
     netns, without spawning a process (sysfs shows another netns)."""
     ifinfomsg = struct.pack("=BxHiII", socket.AF_UNSPEC, 0, socket.if_nametoindex(dev), 0, 0)
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0) as sk:  # NETLINK_ROUTE
