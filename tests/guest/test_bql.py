@@ -1,10 +1,10 @@
-"""Byte queue limits under backpressure (NODROP patches 0010-0014).
+"""Byte queue limits under backpressure (NODROP patches 0010-0013).
 
 With backpressure tun accounts the bytes its rings hold per TX queue (BQL),
 so the queue stops at the BQL limit (the core's STACK_XOFF) long before the
 ring's own stop level (txqueuelen packets), and the backlog waits in the
 qdisc. The limit and the bytes in flight are in
-/sys/class/net/<dev>/queues/tx-<n>/byte_queue_limits/ (patch 0014; a DKMS
+/sys/class/net/<dev>/queues/tx-<n>/byte_queue_limits/ (patch 0013; a DKMS
 build on Debian's kernel has BQL but not that directory).
 
 Feature detection: IFF_BACKPRESSURE in TUNGETFEATURES (else skip); the
@@ -128,7 +128,7 @@ def test_bql_ring_holds_limit(env, kind, record_property):
         assert b["inflight"] == in_ring * wire_bytes(kind == "tap"), b
         assert b["inflight"] <= b["limit"] + wire_bytes(kind == "tap"), b
     else:
-        log("NOTICE: no byte_queue_limits in sysfs (kernel without the net-sysfs patch, 0014 of the 6.12 series)")
+        log("NOTICE: no byte_queue_limits in sysfs (kernel without patch 0013)")
     drain(env, t, reader, N)
 
 
@@ -250,7 +250,7 @@ def test_bql_vhost_giveback(env, record_property):
         pytest.skip(f"no {VHOST_DEV}")
     t = env.tun("ndbqlv0", IFF_TAP | IFF_NO_PI | env.bp_flag())
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without the net-sysfs patch, 0014 of the 6.12 series)")
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0013)")
     setup_ip(t.name, tap=True)
     set_fq_codel(t.name)
     # no buffer posted: vhost runs once at the first packet and takes what
@@ -290,12 +290,10 @@ SMALL = 100        # UDP payload bytes: many packets under the limit's floor
 def test_bql_wakes_in_batches(env, record_property):
     """A queue BQL stopped runs again once at most half its limit is in
     flight, and the limit is at least two frames of the MTU: each wake-up
-    lets a batch in, not a packet per read(). Until then, reads complete
-    their bytes without the producers' lock: DQL's in-flight count moves
-    only at the wake-up (patch 0013)."""
+    lets a batch in, not a packet per read()."""
     t = env.tun("ndbql0", IFF_TUN | IFF_NO_PI | env.bp_flag())
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without the net-sysfs patch, 0014 of the 6.12 series)")
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0013)")
     setup_ip(t.name, tap=False)
     set_fq_codel(t.name)
     wire = SMALL + IP_UDP
@@ -327,7 +325,7 @@ def test_bql_wakes_in_batches(env, record_property):
                 return q
             time.sleep(0.05)
 
-    got, refill, limit_before = 0, None, b["limit"]
+    got, refill = 0, None
     while got < in_ring:
         take()
         got += 1
@@ -338,12 +336,9 @@ def test_bql_wakes_in_batches(env, record_property):
         q = min(q, qdisc_totals(t.name)["qlen"])
         steps.append(f"read {got}: qdisc {q}, bql {b}")
         if q == qlen:
-            if (in_ring - got) * wire > b["limit"] // 2:
-                # no refill, none due: a read from a busy ring adds its
-                # bytes to the ring's pending completions without taking
-                # the producers' lock, so DQL still counts all in flight
-                assert b["inflight"] == in_ring * wire, f"completed under the lock: {steps}"
-                limit_before = b["limit"]
+            # no refill yet: exactly the ring's bytes in flight
+            assert b["inflight"] == (in_ring - got) * wire, steps
+            if b["inflight"] > b["limit"] // 2:
                 continue
             # half the limit is free: the queue must run now
             q = qdisc_after(5)
@@ -356,7 +351,7 @@ def test_bql_wakes_in_batches(env, record_property):
     reads, batch = refill
     # woken exactly when at most half the limit was left in flight
     assert (in_ring - reads) * wire <= b["limit"] // 2, f"woken early: {steps}"
-    assert (in_ring - reads + 1) * wire > limit_before // 2, f"woken late: {steps}"
+    assert (in_ring - reads + 1) * wire > b["limit"] // 2, f"woken late: {steps}"
     assert batch > 1, f"one packet per wake-up: {steps}"
     # the rest arrives, nothing dropped, nothing left in flight
     got = reads
