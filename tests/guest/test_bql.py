@@ -122,6 +122,12 @@ def test_bql_ring_holds_limit(env, kind, record_property):
     record_property("in_ring", in_ring)
     record_property("bql", str(b))
     assert tx_dropped(t.name) == 0
+    if not has_priv_flag(t.name, "bql"):
+        # backpressure without BQL (mainline, our 7.3 series): the ring is
+        # the standing queue fq_codel cannot see; record it, check the rest
+        drain(env, t, reader, N)
+        pytest.xfail(f"no BQL in this tun (no 'bql' private flag): "
+                     f"the ring took {in_ring} of {N}, fq_codel held {N - in_ring}")
     # the stop level is txqueuelen (500/1000): only BQL stops the queue this early
     assert in_ring < N // 2, f"the ring took {in_ring} of {N}: no byte queue limit"
     if b is not None:
