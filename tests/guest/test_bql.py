@@ -1,10 +1,10 @@
-"""Byte queue limits under backpressure (NODROP patches 0010-0013).
+"""Byte queue limits under backpressure (NODROP patches 0010-0014).
 
 With backpressure tun accounts the bytes its rings hold per TX queue (BQL),
 so the queue stops at the BQL limit (the core's STACK_XOFF) long before the
 ring's own stop level (txqueuelen packets), and the backlog waits in the
 qdisc. The limit and the bytes in flight are in
-/sys/class/net/<dev>/queues/tx-<n>/byte_queue_limits/ (patch 0013; a DKMS
+/sys/class/net/<dev>/queues/tx-<n>/byte_queue_limits/ (patch 0014; a DKMS
 build on Debian's kernel has BQL but not that directory).
 
 Feature detection: IFF_BACKPRESSURE in TUNGETFEATURES (else skip); the
@@ -134,7 +134,7 @@ def test_bql_ring_holds_limit(env, kind, record_property):
         assert b["inflight"] == in_ring * wire_bytes(kind == "tap"), b
         assert b["inflight"] <= b["limit"] + wire_bytes(kind == "tap"), b
     else:
-        log("NOTICE: no byte_queue_limits in sysfs (kernel without patch 0013)")
+        log("NOTICE: no byte_queue_limits in sysfs (kernel without patch 0014)")
     drain(env, t, reader, N)
 
 
@@ -256,7 +256,7 @@ def test_bql_vhost_giveback(env, record_property):
         pytest.skip(f"no {VHOST_DEV}")
     t = env.tun("ndbqlv0", IFF_TAP | IFF_NO_PI | env.bp_flag())
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0013)")
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0014)")
     setup_ip(t.name, tap=True)
     set_fq_codel(t.name)
     # no buffer posted: vhost runs once at the first packet and takes what
@@ -299,7 +299,7 @@ def test_bql_wakes_in_batches(env, record_property):
     lets a batch in, not a packet per read()."""
     t = env.tun("ndbql0", IFF_TUN | IFF_NO_PI | env.bp_flag())
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0013)")
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0014)")
     setup_ip(t.name, tap=False)
     set_fq_codel(t.name)
     wire = SMALL + IP_UDP
