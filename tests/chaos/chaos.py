@@ -6,7 +6,8 @@ consumers, closes and reopens queue fds of the persistent device, detaches and
 attaches queues (TUNSETQUEUE), detaches and attaches the vhost-net backend,
 resizes txqueuelen, sets the link down and up, swaps the root qdisc
 (fq_codel, pfifo, mq, noqueue), toggles backpressure by reopening every queue
-and, where the device has it, with the ethtool private flag.
+and, where the device has it, with the ethtool private flag, and switches
+byte queue limits off and on with the "bql" private flag where it exists.
 
 Consumers: two tools/tunreader processes and, when /dev/vhost-net exists, one
 tools/vhostrx (vhost-net RX), each on its own queue.
@@ -58,7 +59,7 @@ QLENS = [1, 2, 10, 64, 100, 500, 1000]
 # qdisc and link stay): the time they take counts as a steady window too.
 # Not qlen: a txqueuelen change deactivates the qdisc (noop_enqueue counts
 # tx_dropped) for a moment, in the core, for every device.
-KEEPS_PROTECTION = ("pause", "backend")
+KEEPS_PROTECTION = ("pause", "backend", "bql")
 QDISC_WEIGHT = {"fq_codel": 3, "pfifo": 2, "noqueue": 1, "mq": 2}
 UNQUEUED = ("noqueue", "noop", "none")     # root "qdiscs" that hold nothing
 # rfc2863 operstate "up" (uapi if.h IF_OPER_UP). linkwatch sets it, then
@@ -197,6 +198,8 @@ class Chaos:
             self.open_slot(s)
         tl.set_fq_codel(DEV)
         self.privflag = tl.has_priv_flag(DEV, "backpressure")
+        self.bqlflag = tl.has_priv_flag(DEV, "bql")
+        self.bql_on = True              # the "bql" private flag's default
         src = tl.LOCAL_IP
         # sender 1: one flow (one queue overloaded); sender 2: 16 flows (all)
         self.senders = [
@@ -359,8 +362,29 @@ class Chaos:
                    f"{back_s:.2f}s, then {'off' if on else 'on'}"
         return f"ethtool priv flag backpressure {'on' if on else 'off'}"
 
+    def a_bql(self) -> str:
+        """ethtool priv flag "bql": byte queue limits off or on with traffic
+        in flight; half of the time switched back after 0-1 s. Consumers
+        test it before they consume; switching it on waits for those that
+        saw it off, then resets every queue's BQL state. Without the flag
+        (no BQL in this tun): a pause instead."""
+        if not self.bqlflag:
+            return self.a_pause()
+        on = not self.bql_on
+        tl.set_priv_flag(DEV, "bql", on)
+        self.bql_on = on
+        if self.rng.random() < 0.5:
+            back_s = self.rng.uniform(0.0, 1.0)
+            time.sleep(back_s)
+            tl.set_priv_flag(DEV, "bql", not on)
+            self.bql_on = not on
+            return f"ethtool priv flag bql {'on' if on else 'off'} for " \
+                   f"{back_s:.2f}s, then {'off' if on else 'on'}"
+        return f"ethtool priv flag bql {'on' if on else 'off'}"
+
     ACTIONS = [("pause", 6), ("reopen", 2), ("detach", 3), ("backend", 2), ("qlen", 2),
-               ("link", 1), ("qdisc", 2), ("flag_reopen", 1), ("privflag", 1)]
+               ("link", 1), ("qdisc", 2), ("flag_reopen", 1), ("privflag", 1),
+               ("bql", 1)]
 
     # --- the run --------------------------------------------------------------------
     @classmethod
