@@ -345,42 +345,38 @@ class Chaos:
                f"-> TUNGETIFF says {'on' if self.program_bp() else 'off'}" \
                f"{', operator switch on' if self.admin_on else ''}"
 
-    def a_privflag(self) -> str:
-        """ethtool priv flag: switch backpressure over; half of the time
-        switch it back after 0-1 s (run-time toggles with traffic in flight)."""
-        if not self.privflag:
-            return self.a_flag_reopen()
-        on = not self.admin_on
-        tl.set_priv_flag(DEV, "backpressure", on)
-        self.admin_on = on
+    def toggle_priv_flag(self, flag: str, state_attr: str) -> str:
+        """Switch ethtool private flag @flag over (its last state set by this
+        run in self.<state_attr>) with traffic in flight; half of the time
+        switch it back after 0-1 s. Returns the action's text."""
+        on = not getattr(self, state_attr)
+        tl.set_priv_flag(DEV, flag, on)
+        setattr(self, state_attr, on)
+        text = f"ethtool priv flag {flag} {'on' if on else 'off'}"
         if self.rng.random() < 0.5:
             back_s = self.rng.uniform(0.0, 1.0)
             time.sleep(back_s)
-            tl.set_priv_flag(DEV, "backpressure", not on)
-            self.admin_on = not on
-            return f"ethtool priv flag backpressure {'on' if on else 'off'} for " \
-                   f"{back_s:.2f}s, then {'off' if on else 'on'}"
-        return f"ethtool priv flag backpressure {'on' if on else 'off'}"
+            tl.set_priv_flag(DEV, flag, not on)
+            setattr(self, state_attr, not on)
+            text += f" for {back_s:.2f}s, then {'off' if on else 'on'}"
+        return text
+
+    def a_privflag(self) -> str:
+        """ethtool priv flag "backpressure" switched over (run-time toggles
+        with traffic in flight). Without the flag: a reopen with or without
+        IFF_BACKPRESSURE instead."""
+        if not self.privflag:
+            return self.a_flag_reopen()
+        return self.toggle_priv_flag("backpressure", "admin_on")
 
     def a_bql(self) -> str:
         """ethtool priv flag "bql": byte queue limits off or on with traffic
-        in flight; half of the time switched back after 0-1 s. Consumers
-        test it before they consume; switching it on waits for those that
-        saw it off, then resets every queue's BQL state. Without the flag
-        (no BQL in this tun): a pause instead."""
+        in flight. Consumers test it before they consume; switching it on
+        waits for those that saw it off, then resets every queue's BQL
+        state. Without the flag (no BQL in this tun): a pause instead."""
         if not self.bqlflag:
             return self.a_pause()
-        on = not self.bql_on
-        tl.set_priv_flag(DEV, "bql", on)
-        self.bql_on = on
-        if self.rng.random() < 0.5:
-            back_s = self.rng.uniform(0.0, 1.0)
-            time.sleep(back_s)
-            tl.set_priv_flag(DEV, "bql", not on)
-            self.bql_on = not on
-            return f"ethtool priv flag bql {'on' if on else 'off'} for " \
-                   f"{back_s:.2f}s, then {'off' if on else 'on'}"
-        return f"ethtool priv flag bql {'on' if on else 'off'}"
+        return self.toggle_priv_flag("bql", "bql_on")
 
     ACTIONS = [("pause", 6), ("reopen", 2), ("detach", 3), ("backend", 2), ("qlen", 2),
                ("link", 1), ("qdisc", 2), ("flag_reopen", 1), ("privflag", 1),
