@@ -1,10 +1,10 @@
-"""Byte queue limits under backpressure (NODROP patches 0010-0014).
+"""Byte queue limits under backpressure (NODROP patches 0010-0015).
 
 With backpressure tun accounts the bytes its rings hold per TX queue (BQL),
 so the queue stops at the BQL limit (the core's STACK_XOFF) long before the
 ring's own stop level (txqueuelen packets), and the backlog waits in the
 qdisc. The limit and the bytes in flight are in
-/sys/class/net/<dev>/queues/tx-<n>/byte_queue_limits/ (patch 0014; a DKMS
+/sys/class/net/<dev>/queues/tx-<n>/byte_queue_limits/ (patch 0015; a DKMS
 build on Debian's kernel has BQL but not that directory).
 
 Feature detection: IFF_BACKPRESSURE in TUNGETFEATURES (else skip); the
@@ -39,6 +39,20 @@ test_bql_wakes_in_batches: 200 x 100 B into a tun nobody reads, fq_codel:
     backlog until at most half the limit is in flight, then hands over a
     batch (patch 0012). Without the floor the limit is one packet's worth;
     without the half-limit wake-up each read lets one packet in.
+test_bql_gathers_completions: 100 B datagrams, fewer than half the limit,
+    into a tun nobody reads (the queue runs), then read one at a time: the
+    bytes in flight are those of the ring plus what the reads gathered,
+    under a quarter of the limit, and the first read's stay in flight
+    (patch 0014). With BQL's stall detection on (stall_thrs 500 ms), every
+    read completes and no stall is counted across an idle second. Without
+    the gathering each read completes its packet; without the
+    stall-detection rule reads keep gathering and an idle second after
+    them counts as a stall.
+
+After every drain (the ring empty), what is still in flight is what the
+last reads gathered: less than a quarter of the limit, so nothing with
+frames of a quarter of the limit or more (1000 B datagrams, a limit at its
+floor of two MTU frames).
 """
 
 from __future__ import annotations
@@ -51,8 +65,9 @@ import pytest
 
 from test_lifecycle import quiesce
 from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TAP, IFF_TUN, bql, has_priv_flag,
-                    link_state, log, qdisc_totals, qsummary, root_qdisc, set_fq_codel,
-                    set_priv_flag, setup_ip, sh, tx_dropped, wait_backlog_zero)
+                    link_state, log, qdisc_totals, qsummary, root_qdisc, set_bql_attr,
+                    set_fq_codel, set_priv_flag, setup_ip, sh, tx_dropped,
+                    wait_backlog_zero)
 
 N = 200            # datagrams per burst
 SIZE = 1000        # UDP payload bytes
@@ -71,6 +86,13 @@ def _needs_bp(env):
 
 def wire_bytes(tap: bool) -> int:
     return SIZE + IP_UDP + (ETH if tap else 0)
+
+
+def assert_drained(b: dict | None, why: str = "") -> None:
+    """The ring is empty: only bytes gathered for completion may be in
+    flight, under a quarter of the limit (patch 0014)."""
+    if b is not None:
+        assert b["inflight"] < b["limit"] // 4, f"bytes in flight with an empty ring: {b} {why}"
 
 
 def paused_burst(env, kind: str, flags: int = 0, txqueuelen: int | None = None):
@@ -110,9 +132,7 @@ def drain(env, t, reader, expect: int) -> None:
     wait_backlog_zero(t.name)
     quiesce([reader])
     assert tx_dropped(t.name) == d0, "ring drops during the fresh burst"
-    b = bql(t.name)
-    if b is not None:
-        assert b["inflight"] == 0, f"bytes still in flight with an empty ring: {b}"
+    assert_drained(bql(t.name))
 
 
 @pytest.mark.parametrize("kind", ["tun", "tap"])
@@ -134,7 +154,7 @@ def test_bql_ring_holds_limit(env, kind, record_property):
         assert b["inflight"] == in_ring * wire_bytes(kind == "tap"), b
         assert b["inflight"] <= b["limit"] + wire_bytes(kind == "tap"), b
     else:
-        log("NOTICE: no byte_queue_limits in sysfs (kernel without patch 0014)")
+        log("NOTICE: no byte_queue_limits in sysfs (kernel without patch 0015)")
     drain(env, t, reader, N)
 
 
@@ -256,7 +276,7 @@ def test_bql_vhost_giveback(env, record_property):
         pytest.skip(f"no {VHOST_DEV}")
     t = env.tun("ndbqlv0", IFF_TAP | IFF_NO_PI | env.bp_flag())
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0014)")
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0015)")
     setup_ip(t.name, tap=True)
     set_fq_codel(t.name)
     # no buffer posted: vhost runs once at the first packet and takes what
@@ -287,7 +307,7 @@ def test_bql_vhost_giveback(env, record_property):
     wait_backlog_zero(t.name)
     quiesce([rx])
     assert tx_dropped(t.name) == 0
-    assert bql(t.name)["inflight"] == 0, bql(t.name)
+    assert_drained(bql(t.name))
 
 
 SMALL = 100        # UDP payload bytes: many packets under the limit's floor
@@ -299,7 +319,7 @@ def test_bql_wakes_in_batches(env, record_property):
     lets a batch in, not a packet per read()."""
     t = env.tun("ndbql0", IFF_TUN | IFF_NO_PI | env.bp_flag())
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0014)")
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0015)")
     setup_ip(t.name, tap=False)
     set_fq_codel(t.name)
     wire = SMALL + IP_UDP
@@ -366,4 +386,56 @@ def test_bql_wakes_in_batches(env, record_property):
         got += 1
     wait_backlog_zero(t.name)
     assert tx_dropped(t.name) == 0
-    assert bql(t.name)["inflight"] == 0, bql(t.name)
+    assert_drained(bql(t.name))
+
+
+def test_bql_gathers_completions(env, record_property):
+    """While the queue runs, reads gather their bytes and complete them once
+    they reach a quarter of the limit; with stall detection on, each read
+    completes, and an idle second is no stall."""
+    t = env.tun("ndbqlg0", IFF_TUN | IFF_NO_PI | env.bp_flag())
+    b = bql(t.name)
+    if b is None:
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0015)")
+    setup_ip(t.name, tap=False)
+    set_fq_codel(t.name)
+    wire = SMALL + IP_UDP
+    k = b["limit"] // 2 // wire         # under half the limit: the queue runs
+    assert b["limit"] // 4 > wire, f"limit too small to gather a packet: {b}"
+
+    def burst_and_read(ident: int, label: str, settle: float = 0.3) -> list[dict]:
+        # the datagrams are in the ring when the burst returns (the queue
+        # runs); settle=0 where a pause would itself count as a stall
+        r = env.burst(k, size=SMALL, ident=ident, sndbuf=SNDBUF)
+        assert r["ok"] == k, r
+        time.sleep(settle)
+        assert qdisc_totals(t.name)["qlen"] == 0, "the queue stopped under half its limit"
+        steps = []
+        for got in range(1, k + 1):
+            ready, _, _ = select.select([t.fd], [], [], 10)
+            assert ready, f"nothing to read; {steps}"
+            assert os.read(t.fd, 65536)
+            b = bql(t.name)
+            ring = (k - got) * wire
+            steps.append({"read": got, "ring": ring, "inflight": b["inflight"]})
+            assert ring <= b["inflight"] < ring + b["limit"] // 4, f"{label}: {b} {steps}"
+        log(f"{label}: {k} x {wire} B, limit {b['limit']}: {steps}")
+        return steps
+
+    steps = burst_and_read(8, "gathering")
+    record_property("bql_gather_steps", str(steps))
+    assert steps[0]["inflight"] == k * wire, f"the first read completed its packet: {steps}"
+    assert tx_dropped(t.name) == 0
+    if "stall_thrs" not in b:
+        return
+    # stall detection on (500 ms: the most HZ=250 allows): every read
+    # completes what it takes and what was gathered before, so that nothing
+    # waits across an idle period
+    set_bql_attr(t.name, "stall_thrs", 500)
+    steps = burst_and_read(9, "stall_thrs 500 ms", settle=0)
+    assert all(s["inflight"] == s["ring"] for s in steps), steps
+    time.sleep(1)
+    burst_and_read(10, "after an idle second", settle=0)
+    b = bql(t.name)
+    assert b["stall_cnt"] == 0, f"stall counted: {b}"
+    set_bql_attr(t.name, "stall_thrs", 0)
