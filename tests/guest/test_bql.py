@@ -315,6 +315,13 @@ def test_bql_vhost_giveback(env, record_property):
 SMALL = 100        # UDP payload bytes: many packets under the limit's floor
 
 
+def read_one(t, steps: list) -> None:
+    """One read() from the tun fd, waiting up to 10 s for a packet."""
+    ready, _, _ = select.select([t.fd], [], [], 10)
+    assert ready, f"nothing to read; {steps}"
+    assert os.read(t.fd, 65536)
+
+
 def test_bql_wakes_in_batches(env, record_property):
     """A queue BQL stopped runs again once at most half its limit is in
     flight, and the limit is at least two frames of the MTU: each wake-up
@@ -338,11 +345,6 @@ def test_bql_wakes_in_batches(env, record_property):
     assert b["limit_min"] == 2 * mtu, steps
     assert in_ring * wire > b["limit_min"] // 2 + wire, f"no batch to take: {steps}"
 
-    def take() -> None:
-        ready, _, _ = select.select([t.fd], [], [], 10)
-        assert ready, f"nothing to read; {steps}"
-        assert os.read(t.fd, 65536)
-
     def qdisc_after(seconds: float) -> int:
         """The qdisc's backlog once it moved below qlen, or after seconds
         (a wake-up's qdisc run may go to ksoftirqd)."""
@@ -355,7 +357,7 @@ def test_bql_wakes_in_batches(env, record_property):
 
     got, refill = 0, None
     while got < in_ring:
-        take()
+        read_one(t, steps)
         got += 1
         q = qdisc_after(0.1)
         b = bql(t.name)
@@ -384,7 +386,7 @@ def test_bql_wakes_in_batches(env, record_property):
     # the rest arrives, nothing dropped, nothing left in flight
     got = reads
     while got < N:
-        take()
+        read_one(t, steps)
         got += 1
     wait_backlog_zero(t.name)
     assert tx_dropped(t.name) == 0
@@ -412,9 +414,7 @@ def test_bql_gathers_completions(env, record_property):
         assert qdisc_totals(t.name)["qlen"] == 0, "the queue stopped under half its limit"
         steps = []
         for got in range(1, k + 1):
-            ready, _, _ = select.select([t.fd], [], [], 10)
-            assert ready, f"nothing to read; {steps}"
-            assert os.read(t.fd, 65536)
+            read_one(t, steps)
             b = bql(t.name)
             ring = (k - got) * wire
             steps.append({"read": got, "ring": ring, "inflight": b["inflight"]})

@@ -451,12 +451,12 @@ def bql_dir(dev: str, queue: int = 0) -> str:
 
 def bql(dev: str, queue: int = 0) -> dict | None:
     """The queue's byte_queue_limits (limit, inflight, limit_min, limit_max,
-    and stall_thrs, stall_cnt where the kernel has BQL's stall detection)
-    as ints; None without the directory (stock tun, mainline, DKMS)."""
+    and stall_thrs where the kernel has BQL's stall detection) as ints;
+    None without the directory (stock tun, mainline, DKMS)."""
     try:
         out = _sysfs_netns(f"cd {bql_dir(dev, queue)} && "
                            "grep . limit inflight limit_min limit_max "
-                           "$(ls stall_thrs stall_cnt 2>/dev/null)")
+                           "$(ls stall_thrs 2>/dev/null)")
     except FileNotFoundError:
         return None
     return {k: int(v) for k, v in (line.split(":", 1) for line in out.split())}
