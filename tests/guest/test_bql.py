@@ -1,10 +1,10 @@
-"""Byte queue limits under backpressure (NODROP patches 0010-0015).
+"""Byte queue limits under backpressure (NODROP patches 0010-0016).
 
 With backpressure tun accounts the bytes its rings hold per TX queue (BQL),
 so the queue stops at the BQL limit (the core's STACK_XOFF) long before the
 ring's own stop level (txqueuelen packets), and the backlog waits in the
 qdisc. The limit and the bytes in flight are in
-/sys/class/net/<dev>/queues/tx-<n>/byte_queue_limits/ (patch 0015; a DKMS
+/sys/class/net/<dev>/queues/tx-<n>/byte_queue_limits/ (patch 0016; a DKMS
 build on Debian's kernel has BQL but not that directory).
 
 Feature detection: IFF_BACKPRESSURE in TUNGETFEATURES (else skip); the
@@ -27,12 +27,14 @@ test_bql_switch_off: "ours without BQL", as the bench measures it: after
     on again under that backlog, all 200 arrive.
 test_bql_lifecycle: a paused reader with bytes in flight, then one
     lifecycle path (queue detach + attach, txqueuelen change, link down/up,
-    the operator switch off, the operator switch on over a ring filled
-    without backpressure); then the reader resumes: no stall (a fresh
-    burst arrives complete, no ring drop), and nothing in flight at the end.
-    Without the resets the queue stays stopped (detach purges accounted
-    packets); without the in-flight bound of completions, the flag-on path
-    BUG()s in dql_completed().
+    an MTU change, the operator switch off, the operator switch on over a
+    ring filled without backpressure); then the reader resumes: no stall (a
+    fresh burst arrives complete, no ring drop), and nothing in flight at
+    the end. Without the resets the queue stays stopped (detach purges
+    accounted packets); without the in-flight bound of completions, the
+    flag-on path BUG()s in dql_completed(). The MTU path also checks that
+    BQL's floor follows the MTU (two frames of it: 18000 B at 9000, 2560 B
+    at 1280); without patch 0015 it stays at the MTU of the last reset.
 test_bql_wakes_in_batches: 200 x 100 B into a tun nobody reads, fq_codel:
     the ring takes what the limit's floor (two frames of the MTU) allows,
     then the test reads one packet at a time. The qdisc keeps its whole
@@ -156,7 +158,7 @@ def test_bql_ring_holds_limit(env, kind, record_property):
         assert b["inflight"] == in_ring * wire_bytes(kind == "tap"), b
         assert b["inflight"] <= b["limit"] + wire_bytes(kind == "tap"), b
     else:
-        log("NOTICE: no byte_queue_limits in sysfs (kernel without patch 0015)")
+        log("NOTICE: no byte_queue_limits in sysfs (kernel without patch 0016)")
     drain(env, t, reader, N)
 
 
@@ -213,6 +215,17 @@ def _down_up(env, t, ctx):
     set_fq_codel(t.name)
 
 
+def _mtu(env, t, ctx):
+    # raised for jumbo frames, then lowered: each change restarts BQL from
+    # a floor of two frames of the new MTU, under the paused reader's bytes
+    for mtu in (9000, 1280):
+        sh(f"ip link set dev {t.name} mtu {mtu}")
+        b = bql(t.name)
+        log(f"mtu {mtu}: bql {b}")
+        if b is not None:
+            assert b["limit_min"] == 2 * mtu, f"floor not from mtu {mtu}: {b}"
+
+
 def _flag_off(env, t, ctx):
     set_priv_flag(t.name, "backpressure", False)
 
@@ -229,6 +242,7 @@ PATHS = {
     # device): only the ring's packets and the fresh burst arrive
     "resize": (0, None, _resize, "fresh"),
     "down_up": (0, None, _down_up, "fresh"),
+    "mtu_change": (0, None, _mtu, "all"),
     "flag_off": (0, True, _flag_off, "all"),
     "flag_on_over_unaccounted": (0, False, _flag_on, "all"),
 }
@@ -278,7 +292,7 @@ def test_bql_vhost_giveback(env, record_property):
         pytest.skip(f"no {VHOST_DEV}")
     t = env.tun("ndbqlv0", IFF_TAP | IFF_NO_PI | env.bp_flag())
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0015)")
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0016)")
     setup_ip(t.name, tap=True)
     set_fq_codel(t.name)
     # no buffer posted: vhost runs once at the first packet and takes what
@@ -328,7 +342,7 @@ def test_bql_wakes_in_batches(env, record_property):
     lets a batch in, not a packet per read()."""
     t = env.tun("ndbql0", IFF_TUN | IFF_NO_PI | env.bp_flag())
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0015)")
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0016)")
     setup_ip(t.name, tap=False)
     set_fq_codel(t.name)
     wire = SMALL + IP_UDP
@@ -399,7 +413,7 @@ def test_bql_gathers_completions(env, record_property):
     completes."""
     t = env.tun("ndbqlg0", IFF_TUN | IFF_NO_PI | env.bp_flag())
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0015)")
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0016)")
     setup_ip(t.name, tap=False)
     set_fq_codel(t.name)
     b = bql(t.name)                     # link up: the limit is at its floor
