@@ -4,7 +4,7 @@ Overloads the queues of one multi-queue tap from several UDP senders while a
 chaos loop, at random (seeded, printed, reproducible), pauses and resumes the
 consumers, closes and reopens queue fds of the persistent device, detaches and
 attaches queues (TUNSETQUEUE), detaches and attaches the vhost-net backend,
-resizes txqueuelen, sets the link down and up, swaps the root qdisc
+resizes txqueuelen, changes the MTU, sets the link down and up, swaps the root qdisc
 (fq_codel, pfifo, mq, noqueue), toggles backpressure by reopening every queue
 and, where the device has it, with the ethtool private flag, and switches
 byte queue limits off and on with the "bql" private flag where it exists.
@@ -55,11 +55,13 @@ import tunlib as tl  # noqa: E402
 DEV = "chaos0"
 BASE_FLAGS = tl.IFF_TAP | tl.IFF_NO_PI | tl.IFF_MULTI_QUEUE
 QLENS = [1, 2, 10, 64, 100, 500, 1000]
+MTUS = [1280, 1500, 4000, 9000]    # the senders' 600 B datagrams fit each
 # actions that leave the device state alone (queues stay attached, flag,
 # qdisc and link stay): the time they take counts as a steady window too.
 # Not qlen: a txqueuelen change deactivates the qdisc (noop_enqueue counts
-# tx_dropped) for a moment, in the core, for every device.
-KEEPS_PROTECTION = ("pause", "backend", "bql")
+# tx_dropped) for a moment, in the core, for every device. An MTU change
+# does not touch the qdisc: it keeps protection.
+KEEPS_PROTECTION = ("pause", "backend", "bql", "mtu")
 QDISC_WEIGHT = {"fq_codel": 3, "pfifo": 2, "noqueue": 1, "mq": 2}
 UNQUEUED = ("noqueue", "noop", "none")     # root "qdiscs" that hold nothing
 # rfc2863 operstate "up" (uapi if.h IF_OPER_UP). linkwatch sets it, then
@@ -305,6 +307,13 @@ class Chaos:
         tl.sh(f"ip link set dev {DEV} txqueuelen {n}")
         return f"txqueuelen {n}"
 
+    def a_mtu(self) -> str:
+        """The MTU changed under traffic: our tun restarts every queue's
+        BQL state from two frames of the new MTU (series v9)."""
+        n = self.rng.choice(MTUS)
+        tl.sh(f"ip link set dev {DEV} mtu {n}")
+        return f"mtu {n}"
+
     def a_link(self) -> str:
         """Link down, a random 0-1 s with it down (the senders keep trying),
         link up: ndo_stop and ndo_open with traffic in flight."""
@@ -380,7 +389,7 @@ class Chaos:
 
     ACTIONS = [("pause", 6), ("reopen", 2), ("detach", 3), ("backend", 2), ("qlen", 2),
                ("link", 1), ("qdisc", 2), ("flag_reopen", 1), ("privflag", 1),
-               ("bql", 1)]
+               ("bql", 1), ("mtu", 1)]
 
     # --- the run --------------------------------------------------------------------
     @classmethod

@@ -50,6 +50,10 @@ test_bql_gathers_completions: 100 B datagrams, fewer than half the limit,
     once the next completion reports them. Without the gathering each read
     completes its packet; without the stall-detection rule the reads with
     stall_thrs set keep gathering too.
+test_bql_vhost_giveback: vhost-net gives back a batch it took (backend
+    detached): inflight is exactly the ring's bytes again.
+test_bql_off_giveback_stops: with BQL off, a give-back that brings the ring
+    to its stop level stops the queue (v3-v8: only with BQL on).
 
 After every drain (the ring empty), what is still in flight is what the
 last reads gathered: less than a quarter of the limit, so nothing with
@@ -67,7 +71,7 @@ import pytest
 
 from test_lifecycle import quiesce
 from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TAP, IFF_TUN, bql, has_priv_flag,
-                    link_state, log, qdisc_totals, qsummary, root_qdisc, set_bql_attr,
+                    link_state, log, qdisc_totals, qstats, qsummary, root_qdisc, set_bql_attr,
                     set_fq_codel, set_priv_flag, setup_ip, sh, tx_dropped,
                     wait_backlog_zero)
 
@@ -324,6 +328,56 @@ def test_bql_vhost_giveback(env, record_property):
     quiesce([rx])
     assert tx_dropped(t.name) == 0
     assert_drained(bql(t.name))
+
+
+GIVEBACK_RING = 16  # txqueuelen of test_bql_off_giveback_stops
+
+
+def test_bql_off_giveback_stops(env, record_property):
+    """With BQL switched off (the ring's stop level only), vhost-net's
+    give-back that brings the ring back to its stop level stops the queue,
+    as with BQL on: the next packet waits in the qdisc, not in the ring's
+    headroom. In series v3-v8 only tun_ring_unconsume()'s BQL branch
+    stopped it."""
+    from test_vhost import VHOST_DEV, settle
+    if not os.path.exists(VHOST_DEV):
+        pytest.skip(f"no {VHOST_DEV}")
+    t = env.tun("ndbqlv1", IFF_TAP | IFF_NO_PI | env.bp_flag())
+    if not has_priv_flag(t.name, "bql"):
+        pytest.skip("no 'bql' ethtool private flag (no BQL in this tun)")
+    set_priv_flag(t.name, "bql", False)
+    setup_ip(t.name, tap=True, txqueuelen=GIVEBACK_RING)
+    set_fq_codel(t.name)
+    # no buffer posted: vhost-net takes what the ring holds at the first
+    # packet and keeps it, so the ring stays under its stop level
+    rx = env.vhostrx(t, paused=True)
+    r = env.burst(GIVEBACK_RING, size=SIZE, ident=7, sndbuf=SNDBUF)
+    assert r["ok"] == GIVEBACK_RING, r
+    settle(t.name)
+    s0 = qstats(t.name)["total"]["stop"]
+    q0 = qdisc_totals(t.name)["qlen"]
+    rx.detach()                         # gives back what vhost-net held
+    settle(t.name)
+    s1 = qstats(t.name)["total"]["stop"]
+    r = env.burst(1, size=SIZE, ident=8, sndbuf=SNDBUF)
+    assert r["ok"] == 1, r
+    settle(t.name)
+    q1 = qdisc_totals(t.name)["qlen"]
+    summary = (f"ring {GIVEBACK_RING}, BQL off: after the burst stops {s0}, qdisc {q0}; "
+               f"after the give-back stops {s1}; one more packet: qdisc {q1}, "
+               f"tx_dropped {tx_dropped(t.name)}")
+    log(summary)
+    record_property("bql_off_giveback", summary)
+    assert s0 == 0 and q0 == 0, f"the burst already filled the ring (vhost held nothing): {summary}"
+    assert s1 == 1, f"the give-back filled the ring to its stop level, no stop: {summary}"
+    assert q1 == 1, f"the next packet went past the stop level into the ring: {summary}"
+    rx.attach()
+    rx.go()
+    for ident, n in (("id7", GIVEBACK_RING), ("id8", 1)):
+        r = rx.wait(ident, n, stall_s=60)
+        assert r["result"] == "ok", f"STALL after the give-back ({ident}); {summary}"
+    wait_backlog_zero(t.name)
+    assert tx_dropped(t.name) == 0, summary
 
 
 SMALL = 100        # UDP payload bytes: many packets under the limit's floor
