@@ -70,6 +70,7 @@ import time
 import pytest
 
 from test_lifecycle import quiesce
+from test_vhost import VHOST_DEV, settle
 from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TAP, IFF_TUN, bql, has_priv_flag,
                     link_state, log, qdisc_totals, qstats, qsummary, root_qdisc, set_bql_attr,
                     set_fq_codel, set_priv_flag, setup_ip, sh, tx_dropped,
@@ -284,6 +285,28 @@ def test_bql_lifecycle(env, path, record_property):
         drain(env, t, reader, reader.stat()["per_id"][1])
 
 
+def giveback_tap(env, name: str):
+    """A tap with backpressure for the vhost-net give-back tests; skips
+    without /dev/vhost-net."""
+    if not os.path.exists(VHOST_DEV):
+        pytest.skip(f"no {VHOST_DEV}")
+    return env.tun(name, IFF_TAP | IFF_NO_PI | env.bp_flag())
+
+
+def held_by_vhost(env, t, ident: int, n: int, txqueuelen: int | None = None):
+    """fq_codel on t, vhost-net attached with no buffer posted: it runs once
+    at the first packet and takes what the ring holds into its private
+    buffer, where it stays; n datagrams sent and settled. Returns the
+    VhostRx."""
+    setup_ip(t.name, tap=True, txqueuelen=txqueuelen)
+    set_fq_codel(t.name)
+    rx = env.vhostrx(t, paused=True)
+    r = env.burst(n, size=SIZE, ident=ident, sndbuf=SNDBUF)
+    assert r["ok"] == n, r
+    settle(t.name)
+    return rx
+
+
 def test_bql_vhost_giveback(env, record_property):
     """vhost-net holds a batch it took (completed for BQL) when its backend
     is detached: the entries it gives back (tun_ring_unconsume()) are
@@ -291,20 +314,10 @@ def test_bql_vhost_giveback(env, record_property):
     the ring. Without that they would be missing from inflight (the next
     completion would be cut to what is in flight, and the ring could hold
     more than the limit)."""
-    from test_vhost import VHOST_DEV, settle
-    if not os.path.exists(VHOST_DEV):
-        pytest.skip(f"no {VHOST_DEV}")
-    t = env.tun("ndbqlv0", IFF_TAP | IFF_NO_PI | env.bp_flag())
+    t = giveback_tap(env, "ndbqlv0")
     if bql(t.name) is None:
         pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0016)")
-    setup_ip(t.name, tap=True)
-    set_fq_codel(t.name)
-    # no buffer posted: vhost runs once at the first packet and takes what
-    # the ring holds into its private buffer, where it stays
-    rx = env.vhostrx(t, paused=True)
-    r = env.burst(60, size=SIZE, ident=5, sndbuf=SNDBUF)
-    assert r["ok"] == 60, r
-    settle(t.name)
+    rx = held_by_vhost(env, t, 5, 60)
     held = bql(t.name)
     rx.detach()
     settle(t.name)
@@ -339,21 +352,12 @@ def test_bql_off_giveback_stops(env, record_property):
     as with BQL on: the next packet waits in the qdisc, not in the ring's
     headroom. In series v3-v8 only tun_ring_unconsume()'s BQL branch
     stopped it."""
-    from test_vhost import VHOST_DEV, settle
-    if not os.path.exists(VHOST_DEV):
-        pytest.skip(f"no {VHOST_DEV}")
-    t = env.tun("ndbqlv1", IFF_TAP | IFF_NO_PI | env.bp_flag())
+    t = giveback_tap(env, "ndbqlv1")
     if not has_priv_flag(t.name, "bql"):
         pytest.skip("no 'bql' ethtool private flag (no BQL in this tun)")
     set_priv_flag(t.name, "bql", False)
-    setup_ip(t.name, tap=True, txqueuelen=GIVEBACK_RING)
-    set_fq_codel(t.name)
-    # no buffer posted: vhost-net takes what the ring holds at the first
-    # packet and keeps it, so the ring stays under its stop level
-    rx = env.vhostrx(t, paused=True)
-    r = env.burst(GIVEBACK_RING, size=SIZE, ident=7, sndbuf=SNDBUF)
-    assert r["ok"] == GIVEBACK_RING, r
-    settle(t.name)
+    # vhost-net keeps what it took, so the ring stays under its stop level
+    rx = held_by_vhost(env, t, 7, GIVEBACK_RING, txqueuelen=GIVEBACK_RING)
     s0 = qstats(t.name)["total"]["stop"]
     q0 = qdisc_totals(t.name)["qlen"]
     rx.detach()                         # gives back what vhost-net held
