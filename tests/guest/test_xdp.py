@@ -17,6 +17,14 @@ compiler needed.
 On our kernels a lost skb fails the test. A backpressure kernel without
 our extensions (mainline) lets XDP fill the whole ring, so skbs find it
 full: recorded as xfail. Kernels without backpressure tail-drop: recorded.
+
+test_xdp_bql_noqueue: the same tap with BQL on but a noqueue root, a paused
+reader: 8 XDP frames of 1000 B (more than BQL's floor of two MTU frames),
+then 20 skbs through the tap's route. Without a qdisc nothing may be
+accounted in BQL, XDP frames included: their STACK_XOFF would have the core
+drop every skb ("Virtual device ... asks to queue packet!"). All 20 arrive,
+no drop. Fails with series v9 (6.12) and with the 7.3 port before the
+noqueue test in tun_xdp_xmit(). Skips without the `bql` private flag.
 """
 
 from __future__ import annotations
@@ -28,9 +36,9 @@ import struct
 
 import pytest
 
-from tunlib import (IFF_NO_PI, IFF_TAP, has_priv_flag, log, nla, qstats,
-                    ring_level_only, root_qdisc, set_fq_codel, setup_ip, sh, tx_dropped,
-                    wait_backlog_zero)
+from tunlib import (IFF_NO_PI, IFF_TAP, bql, has_priv_flag, log, nla, qstats,
+                    ring_level_only, root_qdisc, set_fq_codel, set_qdisc, setup_ip, sh,
+                    tx_dropped, wait_backlog_zero)
 
 RING = 64           # txqueuelen of the tap
 XDP_N = 1000        # frames sent into the veth
@@ -150,3 +158,34 @@ def test_xdp_redirect_keeps_skb_room(env, xdp_into, record_property):
     assert d_all == d_xdp == XDP_N - got_xdp, f"drops other than XDP's: {summary}"
     if st is not None:
         assert st["queues"][0]["hw_drops"] == d_xdp, summary
+
+
+def test_xdp_bql_noqueue(env, xdp_into, record_property):
+    xdp_n, skb_n = 8, 20
+    t = env.tun("ndxdp1", IFF_TAP | IFF_NO_PI | env.bp_flag())
+    dev = t.name
+    if not env.bp or not has_priv_flag(dev, "bql"):
+        pytest.skip("no 'bql' ethtool private flag (no BQL in this tun)")
+    setup_ip(dev, tap=True, txqueuelen=RING)
+    set_qdisc(dev, "noqueue")
+    assert root_qdisc(dev)["kind"] == "noqueue"
+    reader = env.reader(t, tap=True, paused=True)
+    xdp_into(dev)
+    d0 = tx_dropped(dev)
+
+    x = env.burst(xdp_n, size=1000, ident=1, dst=VETH_PEER_IP, sndbuf=SNDBUF)
+    b = bql(dev)
+    s = env.burst(skb_n, size=1000, ident=2, sndbuf=SNDBUF)
+    reader.go()
+    r = reader.wait("id2", skb_n, stall_s=5)
+    got_xdp, got_skb = r["per_id"][1], r["per_id"][2]
+    summary = (f"XDP sent {x['ok']}, delivered {got_xdp}; bql after XDP {b}; "
+               f"skbs sent {s['ok']}/{skb_n} (errors {s['errors']}), delivered "
+               f"{got_skb}; tx_dropped {tx_dropped(dev) - d0}")
+    log(summary)
+    record_property("summary", summary)
+    assert got_xdp == xdp_n, f"XDP frames lost below the stop level: {summary}"
+    if b is not None:
+        assert b["inflight"] == 0, f"XDP frames accounted without a qdisc: {summary}"
+    assert s["ok"] == skb_n and got_skb == skb_n, f"skbs lost behind XDP frames: {summary}"
+    assert tx_dropped(dev) == d0, summary
