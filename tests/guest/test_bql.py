@@ -1,4 +1,4 @@
-"""Byte queue limits under backpressure (NODROP patches 0010-0016).
+"""Byte queue limits under backpressure (NODROP 6.12 patches 0010-0016; 7.3 net-next 3-6).
 
 With backpressure tun accounts the bytes its rings hold per TX queue (BQL),
 so the queue stops at the BQL limit (the core's STACK_XOFF) long before the
