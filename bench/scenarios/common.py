@@ -134,7 +134,7 @@ def last_json(text: str) -> dict:
 def qdisc_counts(dev: str) -> dict:
     """Root qdisc counters: rtnetlink in-process (cheap), `tc` as fallback."""
     try:
-        q = nl_root_qdisc(dev)
+        q = tl.nl_root_qdisc(dev)
         if q:
             return q
     except OSError:
@@ -150,59 +150,6 @@ def qdisc_counts(dev: str) -> dict:
 # tc/ss are a fork+exec each, about half a second under TCG with the benchmark
 # running: too slow and too disturbing to sample a standing queue with. These
 # read the same counters from rtnetlink and /proc in the calling netns.
-RTM_NEWQDISC, RTM_GETQDISC = 36, 38
-NLM_F_REQUEST, NLM_F_DUMP, NLMSG_ERROR, NLMSG_DONE = 1, 0x300, 2, 3
-TCA_KIND, TCA_STATS2, TCA_STATS_BASIC, TCA_STATS_QUEUE = 1, 7, 1, 3
-TC_H_ROOT = 0xFFFFFFFF
-
-
-def _rtattrs(buf: bytes, off: int, end: int):
-    while off + 4 <= end:
-        ln, typ = struct.unpack_from("=HH", buf, off)
-        if ln < 4:
-            break
-        yield typ & 0x3FFF, buf[off + 4:off + ln]
-        off += (ln + 3) & ~3
-
-
-def nl_root_qdisc(dev: str) -> dict:
-    """Root qdisc counters of dev (the `tc -s qdisc` numbers): kind, packets
-    (sent), drops, qlen, backlog (bytes), requeues, overlimits."""
-    idx = socket.if_nametoindex(dev)
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as s:
-        s.send(struct.pack("=IHHII", 36, RTM_GETQDISC, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
-               + struct.pack("=BBHiIII", socket.AF_UNSPEC, 0, 0, 0, 0, 0, 0))
-        found: dict = {}
-        while True:
-            data = s.recv(1 << 16)
-            off = 0
-            while off + 16 <= len(data):
-                ln, typ = struct.unpack_from("=IH", data, off)
-                if typ == NLMSG_DONE:
-                    return found
-                if typ == NLMSG_ERROR:
-                    raise OSError(f"RTM_GETQDISC: {struct.unpack_from('=i', data, off + 16)[0]}")
-                if typ == RTM_NEWQDISC:
-                    _, _, _, ifi, _, parent, _ = struct.unpack_from("=BBHiIII", data, off + 16)
-                    if ifi == idx and parent == TC_H_ROOT:
-                        q = {"kind": "", "packets": 0, "drops": 0, "qlen": 0, "backlog": 0,
-                             "requeues": 0, "overlimits": 0}
-                        for t, v in _rtattrs(data, off + 36, off + ln):
-                            if t == TCA_KIND:
-                                q["kind"] = v.rstrip(b"\0").decode()
-                            elif t == TCA_STATS2:
-                                for t2, v2 in _rtattrs(v, 0, len(v)):
-                                    if t2 == TCA_STATS_BASIC and len(v2) >= 12:
-                                        q["packets"] = struct.unpack_from("=QI", v2)[1]
-                                    elif t2 == TCA_STATS_QUEUE and len(v2) >= 20:
-                                        (q["qlen"], q["backlog"], q["drops"], q["requeues"],
-                                         q["overlimits"]) = struct.unpack_from("=5I", v2)
-                        found = q
-                if ln < 16:
-                    break
-                off += (ln + 3) & ~3
-
-
 def udp_queues(port: int = 4000) -> tuple[int, int]:
     """(send, receive) queue in bytes of the UDP socket bound to port
     (/proc/net/udp tx_queue:rx_queue = sk_wmem_alloc, sk_rmem_alloc)."""
@@ -240,21 +187,47 @@ def cpu_idle_ns() -> list[int]:
     return out
 
 
-def mech_snap(dev: str) -> dict:
+def net_tx_softirqs() -> int:
+    """NET_TX softirqs run so far, all CPUs (/proc/softirqs): each is a
+    qdisc run some CPU owed a wake-up or a requeue."""
+    with open("/proc/softirqs") as f:
+        for line in f:
+            p = line.split()
+            if p and p[0] == "NET_TX:":
+                return sum(int(x) for x in p[1:])
+    return 0
+
+
+def task_cpu_ns(pid: int) -> int:
+    """CPU time of process pid so far (utime + stime, /proc/<pid>/stat), in
+    ns of the guest clock; softirqs that ran in its context included (the
+    lab's kernels have no IRQ time accounting)."""
+    with open(f"/proc/{pid}/stat") as f:
+        p = f.read().rsplit(")", 1)[1].split()
+    return (int(p[11]) + int(p[12])) * 1_000_000_000 // USER_HZ
+
+
+def mech_snap(dev: str, consumer_pid: int | None = None) -> dict:
     """Counters of dev at one instant (in the caller's netns), for
     mech_rates(): guest time, per-CPU idle, packets the consumer took from
-    the ring (tx_packets), root qdisc requeues, queue stops/wakes."""
+    the ring (tx_packets), root qdisc requeues, queue stops/wakes, NET_TX
+    softirqs, and the CPU time of the consumer process if given."""
     st = tl.dev_stats(dev)
     q = qdisc_counts(dev)
     src, stops, wakes = stops_wakes(dev)
-    return {"t_ns": time.monotonic_ns(), "idle_ns": cpu_idle_ns(),
-            "tx_packets": st["tx_packets"], "requeues": q.get("requeues", 0),
-            "sw_src": src, "stops": stops, "wakes": wakes}
+    out = {"t_ns": time.monotonic_ns(), "idle_ns": cpu_idle_ns(),
+           "tx_packets": st["tx_packets"], "requeues": q.get("requeues", 0),
+           "sw_src": src, "stops": stops, "wakes": wakes, "net_tx": net_tx_softirqs()}
+    if consumer_pid:
+        out["consumer_ns"] = task_cpu_ns(consumer_pid)
+    return out
 
 
 def mech_rates(m0: dict, m1: dict, seconds: float | None = None) -> dict:
-    """Per window: delivered packets, queue stops/wakes and qdisc requeues
-    per 1000 delivered packets (any clock), and guest ns per delivered
+    """Per window: delivered packets, queue stops/wakes, qdisc requeues and
+    NET_TX softirqs per 1000 delivered packets (any clock), the consumer
+    process's share of one CPU (consumer_cpu_pct) and its CPU time per
+    delivered packet (consumer_ns_per_pkt), and guest ns per delivered
     packet, gns_per_pkt (under icount shift=0: guest instructions, both
     vCPUs together, upper bound) with gns_per_pkt_lo (the same minus the
     least idle time of any vCPU: lower bound). `seconds` replaces the
@@ -266,9 +239,14 @@ def mech_rates(m0: dict, m1: dict, seconds: float | None = None) -> dict:
     span = seconds * 1e9 if seconds else t
     out = {"pkts": n, "guest_s": t / 1e9, "idle_min_pct": 100.0 * idle_frac,
            "requeues_per_kpkt": 1000.0 * (m1["requeues"] - m0["requeues"]) / n if n else None,
+           "net_tx_per_kpkt": 1000.0 * (m1["net_tx"] - m0["net_tx"]) / n if n else None,
            "gns_per_pkt": span / n if n else None,
            "gns_per_pkt_lo": span * (1 - idle_frac) / n if n else None,
            "sw_src": m1["sw_src"]}
+    if "consumer_ns" in m0 and "consumer_ns" in m1 and t > 0 and n:
+        c = m1["consumer_ns"] - m0["consumer_ns"]
+        out["consumer_cpu_pct"] = 100.0 * c / t
+        out["consumer_ns_per_pkt"] = c / n
     if m1["sw_src"] and m1["sw_src"] == m0["sw_src"] and n:
         out["stops_per_kpkt"] = 1000.0 * (m1["stops"] - m0["stops"]) / n
         out["wakes_per_kpkt"] = 1000.0 * (m1["wakes"] - m0["wakes"]) / n
@@ -470,7 +448,7 @@ class VPN:
         out = {"t": time.monotonic()}
         for ns, dev, side in ((self.a, "tA", "A"), (self.b, "tB", "B")):
             with ns:
-                q = nl_root_qdisc(dev)
+                q = tl.nl_root_qdisc(dev)
                 st = tl.dev_stats(dev)
                 utx, urx = udp_queues()
             out[side] = {"q_pkts": q.get("qlen", 0), "read": st["tx_packets"],
@@ -691,6 +669,9 @@ def pktgen_point(tools: str, cfg: dict, threads: int, mode: str, vnet: bool,
             if consumer == "tunreader":
                 argv += ["--tap"] + (["--vnet-hdr", "12"] if vnet else [])
             reader = tl.Reader(procs.spawn(argv, text=False), "pg0")
+            # tunreader reads in its own context; vhost-net's worker is a
+            # kernel thread: no consumer process to account for there
+            reader_pid = reader.proc.pid if consumer == "tunreader" else None
             tl.setup_ip("pg0", tap=True, txqueuelen=cfg.get("qlen") or 500)
             point["qdisc"] = apply_dev("pg0", cfg)
             if cfg.get("bql") == "off":
@@ -708,7 +689,7 @@ def pktgen_point(tools: str, cfg: dict, threads: int, mode: str, vnet: bool,
                         "qdisc_drops": qdisc_counts("pg0")["drops"],
                         "pg_sent": sum(x[0] for x in pg),
                         "pg_errors": sum(x[1] for x in pg), "bad": r["bad"],
-                        "mech": mech_snap("pg0")}
+                        "mech": mech_snap("pg0", reader_pid)}
             bql = None
             if cfg["flag"]:     # bp and bp-nobql alike: the same sampling work in both
                 fs = Sysfs(procs)
@@ -742,7 +723,9 @@ def say_pktgen(tag: str, pt: dict) -> None:
     say(f"   {tag}: recv {summ(r, 'recv_per_s')} pps, ring drops "
         f"{summ(r, 'tx_dropped_per_s')}/s, qdisc drops {summ(r, 'qdisc_drops_per_s')}/s, "
         f"guest ns/pkt {summ(r, 'gns_per_pkt')}, stops/kpkt {summ(r, 'stops_per_kpkt')}, "
-        f"requeues/kpkt {summ(r, 'requeues_per_kpkt')}"
+        f"requeues/kpkt {summ(r, 'requeues_per_kpkt')}, NET_TX/kpkt {summ(r, 'net_tx_per_kpkt')}"
+        + (f", reader CPU {summ(r, 'consumer_cpu_pct')} % = {summ(r, 'consumer_ns_per_pkt')} ns/pkt"
+           if any("consumer_cpu_pct" in x for x in r) else "")
         + (f", BQL limit {summ(r, 'bql_limit')} B (max {summ(r, 'bql_limit_max')}) "
            f"inflight {summ(r, 'bql_inflight')} B" if any("bql_limit" in x for x in r) else ""))
 

@@ -112,6 +112,55 @@ def ring_full_delta(a: dict, b: dict) -> dict | None:
             if v != a["ring_full"].get(k, 0)}
 
 
+class DropSites:
+    """Where the kernel freed dropped skbs, by function and drop reason: a
+    hist trigger on the skb:kfree_skb tracepoint (keys: the caller's symbol
+    and the reason), read at every snapshot. Tells a bad window's drops
+    apart: tun_net_xmit's (a ring full, no ring at the index, a filter) from
+    the core's (__dev_queue_xmit: the noop qdisc of a deactivated device,
+    or the qdisc's own limit, which `tc -s` counts). Needs tracefs with
+    hist triggers (the debug flavors have them); absent, every read is
+    None and the reports say so."""
+    EVENT = "/sys/kernel/tracing/events/skb/kfree_skb"
+    TRIGGER = "hist:keys=location.sym,reason:vals=hitcount:size=1024"
+    LINE = re.compile(r"location:\s*\[[0-9a-f]+\]\s*(\S+).*?reason:\s*(\d+).*?hitcount:\s*(\d+)")
+
+    def __init__(self):
+        self.ok = False
+        self.reasons: dict[int, str] = {}
+        if not os.path.isdir("/sys/kernel/tracing/events"):
+            subprocess.run(["mount", "-t", "tracefs", "nodev", "/sys/kernel/tracing"],
+                           capture_output=True, check=False)
+        try:
+            with open(f"{self.EVENT}/format") as f:
+                fmt = f.read()
+            with open(f"{self.EVENT}/trigger", "w") as f:
+                f.write(self.TRIGGER)
+            self.ok = os.path.exists(f"{self.EVENT}/hist")
+        except OSError:
+            return
+        # the reasons' names, from the event's print format (__print_symbolic)
+        self.reasons = {int(n): name for n, name in re.findall(r'\{\s*(\d+),\s*"(\w+)"\s*\}', fmt)}
+
+    def read(self) -> dict[str, int] | None:
+        """Drops so far, "<function> <REASON>" -> count (None: no hist)."""
+        if not self.ok:
+            return None
+        with open(f"{self.EVENT}/hist") as f:
+            text = f.read()
+        out: dict[str, int] = {}
+        for fn, reason, n in self.LINE.findall(text):
+            key = f"{fn} {self.reasons.get(int(reason), reason)}"
+            out[key] = out.get(key, 0) + int(n)
+        return out
+
+    @staticmethod
+    def delta(a: dict | None, b: dict | None) -> dict | None:
+        if a is None or b is None:
+            return None
+        return {k: v - a.get(k, 0) for k, v in b.items() if v != a.get(k, 0)}
+
+
 @dataclass
 class Slot:
     """One queue of the device and its consumer process."""
@@ -145,6 +194,7 @@ class Chaos:
                         "protected_drops": 0, "unprotected_drops": 0,
                         "transition_drops": {}, "bad_windows": []}
         self.result: dict = {"seed": seed}
+        self.drop_sites = DropSites()
 
     # --- device and consumers -------------------------------------------------
     def open_slot(self, s: Slot) -> None:
@@ -221,7 +271,8 @@ class Chaos:
         seconds): /proc/net/dev, TUNGETIFF, and the root qdisc the kernel
         reported after the last swap (only a qdisc action changes it)."""
         return {"t": time.monotonic() - T0, "tx_dropped": tl.tx_dropped(DEV),
-                "ring_full": self.ring_full(), **tl.link_state(DEV),
+                "ring_full": self.ring_full(), "drop_sites": self.drop_sites.read(),
+                "qdisc_drops": tl.qdisc_drops(DEV), **tl.link_state(DEV),
                 "bp": self.kernel_bp(), "qdisc": self.qdisc_kind, "link": self.link_up,
                 "attached": sum(1 for s in self.slots if s.tun is not None and s.attached)}
 
@@ -253,10 +304,14 @@ class Chaos:
             w["protected_drops"] += d
             if d:
                 rf = ring_full_delta(a, b)
+                sites = DropSites.delta(a["drop_sites"], b["drop_sites"])
+                qd = b["qdisc_drops"] - a["qdisc_drops"]
                 w["bad_windows"].append({"after": what, "drops": d, "ring_full": rf,
+                                         "drop_sites": sites, "qdisc_drops": qd,
                                          "from": a, "to": b})
                 say(f"RING DROPS in a protected window after {what}: {d}, ring-full "
-                    f"{rf} ({a} -> {b})")
+                    f"{rf}, freed at {sites if sites is not None else '(no tracefs hist)'}, "
+                    f"root qdisc's own drops {qd} ({a} -> {b})")
         else:
             w["unprotected"] += 1
             w["unprotected_drops"] += d
@@ -441,6 +496,9 @@ class Chaos:
         self.account(prev, self.snapshot(), last)
         self.result["actions"] = counts
         self.result["windows"] = self.windows
+        # every drop of the round (all devices) by function and reason
+        self.result["drop_sites"] = self.drop_sites.read()
+        say(f"drops by site: {self.result['drop_sites'] if self.drop_sites.ok else 'no tracefs hist in this kernel'}")
         say(f"actions {sum(counts.values())} {counts}")
         say(f"windows: {self.windows['protected']} protected "
             f"({self.windows['protected_s']:.0f}s, {self.windows['protected_drops']} drops), "
