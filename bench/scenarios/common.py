@@ -653,15 +653,27 @@ def pktgen_reps(dev: str, devs: list[str], snap, reps: int, duration: float,
     return out
 
 
+def no_qdisc_bypass(dev: str, kind: str) -> None:
+    """Take the root qdisc's empty-queue bypass away: the core sends a
+    packet straight to the driver when the qdisc is empty and can bypass
+    (TCQ_F_CAN_BYPASS), skipping its enqueue and dequeue; any filter on the
+    qdisc clears that flag (cls_api). One matchall filter with classid 1:1
+    puts every packet in flow 1 of an fq_codel (pktgen sends one flow)."""
+    sh(f"tc qdisc replace dev {dev} root handle 1: {kind}")
+    sh(f"tc filter add dev {dev} parent 1: matchall classid 1:1")
+
+
 def pktgen_point(tools: str, cfg: dict, threads: int, mode: str, vnet: bool,
                  reps: int, duration: float, warmup: float,
-                 consumer: str = "tunreader") -> dict:
+                 consumer: str = "tunreader", bypass: bool = True) -> dict:
     """One point of s1/s2: tap pg0 (ring 500) in its own netns, read by
-    tunreader (plain or with a 12-byte vnet header) or vhostrx."""
+    tunreader (plain or with a 12-byte vnet header) or vhostrx; bypass
+    False: every packet goes through the qdisc (no_qdisc_bypass())."""
     ns = NS("pg")
     procs = Procs()
     point = {"config": cfg["name"], "threads": threads, "xmit_mode": mode,
-             "reader": "vnet_hdr" if vnet else "plain", "reps": []}
+             "reader": "vnet_hdr" if vnet else "plain",
+             "qdisc_bypass": "yes" if bypass else "no", "reps": []}
     try:
         with ns:
             flags = IFF_TAP | IFF_NO_PI | cfg["flag"] | (IFF_VNET_HDR if vnet else 0)
@@ -674,6 +686,8 @@ def pktgen_point(tools: str, cfg: dict, threads: int, mode: str, vnet: bool,
             reader_pid = reader.proc.pid if consumer == "tunreader" else None
             tl.setup_ip("pg0", tap=True, txqueuelen=cfg.get("qlen") or 500)
             point["qdisc"] = apply_dev("pg0", cfg)
+            if not bypass:
+                no_qdisc_bypass("pg0", cfg["qdisc"])
             if cfg.get("bql") == "off":
                 set_bql("pg0", False)
             devs = pktgen_setup("pg0", threads, mode)
