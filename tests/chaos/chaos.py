@@ -270,9 +270,18 @@ class Chaos:
         """No process is spawned here (under KASAN + TCG a spawn costs
         seconds): /proc/net/dev, TUNGETIFF, and the root qdisc the kernel
         reported after the last swap (only a qdisc action changes it)."""
-        return {"t": time.monotonic() - T0, "tx_dropped": tl.tx_dropped(DEV),
+        # Link state first, then RTNL, then the counters: linkwatch sets the
+        # operstate and activates the qdisc in one RTNL section, so a state
+        # read as "up" is an active qdisc once RTNL was free after it, and
+        # the counters read after that cannot include the noop qdisc's
+        # drops from before the activation. Until session 16 the counters
+        # came first: the likeliest reading of the 49 drops after a
+        # flag_reopen in one round of session 15 (docs/chaos.md).
+        link = tl.link_state(DEV)
+        tl.rtnl_barrier(DEV)
+        return {"t": time.monotonic() - T0, **link, "tx_dropped": tl.tx_dropped(DEV),
                 "ring_full": self.ring_full(), "drop_sites": self.drop_sites.read(),
-                "qdisc_drops": tl.qdisc_drops(DEV), **tl.link_state(DEV),
+                "qdisc_drops": tl.qdisc_drops(DEV),
                 "bp": self.kernel_bp(), "qdisc": self.qdisc_kind, "link": self.link_up,
                 "attached": sum(1 for s in self.slots if s.tun is not None and s.attached)}
 

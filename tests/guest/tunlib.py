@@ -486,6 +486,23 @@ def link_state(dev: str) -> dict:
             if a in attrs}
 
 
+_SIOCETHTOOL = 0x8946
+_ETHTOOL_GDRVINFO = 0x3
+_DRVINFO_SIZE = 196        # struct ethtool_drvinfo
+
+
+def rtnl_barrier(dev: str) -> None:
+    """Return once whoever held RTNL when we asked has let it go: an ethtool
+    ioctl (ETHTOOL_GDRVINFO) runs under RTNL. linkwatch sets the operstate
+    and then (de)activates the qdiscs under RTNL, and RTM_GETLINK reads
+    without it on newer kernels (7.x): after an operstate "up" followed by
+    this barrier, the qdisc is active again. No spawn."""
+    buf = ctypes.create_string_buffer(struct.pack("=I", _ETHTOOL_GDRVINFO), _DRVINFO_SIZE)
+    ifr = struct.pack(f"={IFNAMSIZ}sQ", dev.encode(), ctypes.addressof(buf))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sk:
+        fcntl.ioctl(sk.fileno(), _SIOCETHTOOL, ifr + b"\0" * (40 - len(ifr)))
+
+
 def tun_flags_sysfs(dev: str) -> int:
     """/sys/class/net/<dev>/tun_flags as seen from the caller's netns: sysfs
     shows the netns it was mounted in, so mount a fresh one in a private
