@@ -134,11 +134,14 @@ class DropSites:
         try:
             with open(f"{self.EVENT}/format") as f:
                 fmt = f.read()
-            with open(f"{self.EVENT}/trigger", "w") as f:
-                f.write(self.TRIGGER)
-            self.ok = os.path.exists(f"{self.EVENT}/hist")
         except OSError:
             return
+        try:
+            with open(f"{self.EVENT}/trigger", "w") as f:
+                f.write(self.TRIGGER)
+        except OSError:
+            pass    # no hist triggers, or this boot's earlier run set it (EEXIST)
+        self.ok = "hitcount" in self._hist()
         # the reasons' names, from the event's print format (__print_symbolic)
         self.reasons = {int(n): name for n, name in re.findall(r'\{\s*(\d+),\s*"(\w+)"\s*\}', fmt)}
 
@@ -146,13 +149,18 @@ class DropSites:
         """Drops so far, "<function> <REASON>" -> count (None: no hist)."""
         if not self.ok:
             return None
-        with open(f"{self.EVENT}/hist") as f:
-            text = f.read()
         out: dict[str, int] = {}
-        for fn, reason, n in self.LINE.findall(text):
+        for fn, reason, n in self.LINE.findall(self._hist()):
             key = f"{fn} {self.reasons.get(int(reason), reason)}"
             out[key] = out.get(key, 0) + int(n)
         return out
+
+    def _hist(self) -> str:
+        try:
+            with open(f"{self.EVENT}/hist") as f:
+                return f.read()
+        except OSError:
+            return ""
 
     @staticmethod
     def delta(a: dict | None, b: dict | None) -> dict | None:
