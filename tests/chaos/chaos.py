@@ -117,8 +117,9 @@ class DropSites:
     hist trigger on the skb:kfree_skb tracepoint (keys: the caller's symbol
     and the reason), read at every snapshot. Tells a bad window's drops
     apart: tun_net_xmit's (a ring full, no ring at the index, a filter) from
-    the core's (__dev_queue_xmit: the noop qdisc of a deactivated device,
-    or the qdisc's own limit, which `tc -s` counts). Needs tracefs with
+    the core's (__dev_queue_xmit, on 7.x __tcf_kfree_skb_list: the noop
+    qdisc of a deactivated device, or the qdisc's own limit, which `tc -s`
+    counts). Needs tracefs with
     hist triggers (the debug flavors have them); absent, every read is
     None and the reports say so."""
     EVENT = "/sys/kernel/tracing/events/skb/kfree_skb"
