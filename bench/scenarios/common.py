@@ -149,7 +149,10 @@ def qdisc_counts(dev: str) -> dict:
 # --- cheap in-process probes ------------------------------------------------------
 # tc/ss are a fork+exec each, about half a second under TCG with the benchmark
 # running: too slow and too disturbing to sample a standing queue with. These
-# read the same counters from rtnetlink and /proc in the calling netns.
+# read the same counters from /proc in the calling netns (qdisc counters:
+# tunlib.nl_root_qdisc(), rtnetlink).
+
+
 def udp_queues(port: int = 4000) -> tuple[int, int]:
     """(send, receive) queue in bytes of the UDP socket bound to port
     (/proc/net/udp tx_queue:rx_queue = sk_wmem_alloc, sk_rmem_alloc)."""

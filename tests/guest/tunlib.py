@@ -215,67 +215,6 @@ def dev_stats(dev: str) -> dict:
 def tx_dropped(dev: str) -> int:
     return dev_stats(dev)["tx_dropped"]
 
-# Root qdisc counters over rtnetlink, in-process: a `tc` spawn costs about half
-# a second under TCG (a few under KASAN), too slow for per-window snapshots.
-_RTM_NEWQDISC, _RTM_GETQDISC = 36, 38
-_NLM_F_REQUEST, _NLM_F_DUMP, _NLMSG_ERROR, _NLMSG_DONE = 1, 0x300, 2, 3
-_TCA_KIND, _TCA_STATS2, _TCA_STATS_BASIC, _TCA_STATS_QUEUE = 1, 7, 1, 3
-_TC_H_ROOT = 0xFFFFFFFF
-
-
-def _qdisc_rtattrs(buf: bytes, off: int, end: int):
-    while off + 4 <= end:
-        ln, typ = struct.unpack_from("=HH", buf, off)
-        if ln < 4:
-            break
-        yield typ & 0x3FFF, buf[off + 4:off + ln]
-        off += (ln + 3) & ~3
-
-
-def nl_root_qdisc(dev: str) -> dict:
-    """Root qdisc counters of dev (the `tc -s qdisc` numbers): kind, packets
-    (sent), drops, qlen, backlog (bytes), requeues, overlimits."""
-    idx = socket.if_nametoindex(dev)
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as s:
-        s.send(struct.pack("=IHHII", 36, _RTM_GETQDISC, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
-               + struct.pack("=BBHiIII", socket.AF_UNSPEC, 0, 0, 0, 0, 0, 0))
-        found: dict = {}
-        while True:
-            data = s.recv(1 << 16)
-            off = 0
-            while off + 16 <= len(data):
-                ln, typ = struct.unpack_from("=IH", data, off)
-                if typ == _NLMSG_DONE:
-                    return found
-                if typ == _NLMSG_ERROR:
-                    raise OSError(f"RTM_GETQDISC: {struct.unpack_from('=i', data, off + 16)[0]}")
-                if typ == _RTM_NEWQDISC:
-                    _, _, _, ifi, _, parent, _ = struct.unpack_from("=BBHiIII", data, off + 16)
-                    if ifi == idx and parent == _TC_H_ROOT:
-                        q = {"kind": "", "packets": 0, "drops": 0, "qlen": 0, "backlog": 0,
-                             "requeues": 0, "overlimits": 0}
-                        for t, v in _qdisc_rtattrs(data, off + 36, off + ln):
-                            if t == _TCA_KIND:
-                                q["kind"] = v.rstrip(b"\0").decode()
-                            elif t == _TCA_STATS2:
-                                for t2, v2 in _qdisc_rtattrs(v, 0, len(v)):
-                                    if t2 == _TCA_STATS_BASIC and len(v2) >= 12:
-                                        q["packets"] = struct.unpack_from("=QI", v2)[1]
-                                    elif t2 == _TCA_STATS_QUEUE and len(v2) >= 20:
-                                        (q["qlen"], q["backlog"], q["drops"], q["requeues"],
-                                         q["overlimits"]) = struct.unpack_from("=5I", v2)
-                        found = q
-                if ln < 16:
-                    break
-                off += (ln + 3) & ~3
-
-
-def qdisc_drops(dev: str) -> int:
-    """Drops the root qdisc of dev counted itself (`tc -s qdisc` dropped), 0
-    without one; rtnetlink, no spawn."""
-    return nl_root_qdisc(dev).get("drops", 0)
-
-
 
 def qdiscs(dev: str) -> list[dict]:
     out = sh(f"tc -s -j qdisc show dev {dev}").stdout.strip()
@@ -410,9 +349,10 @@ def _nla_parse(buf: bytes) -> dict[int, bytes]:
 
 
 def _nl_request(sk: socket.socket, mtype: int, body: bytes, hdr_len: int,
-                dump: bool) -> list[dict]:
+                dump: bool, headers: bool = False) -> list:
     """One netlink request; the attributes of each reply, which start
-    hdr_len bytes into its payload (the family's fixed header)."""
+    hdr_len bytes into its payload (the family's fixed header); with
+    headers, (fixed header bytes, attributes) per reply."""
     flags = _NLM_F_REQUEST | (_NLM_F_DUMP if dump else 0)
     sk.send(struct.pack("=IHHII", 16 + len(body), mtype, flags, 1, 0) + body)
     out = []
@@ -427,7 +367,8 @@ def _nl_request(sk: socket.socket, mtype: int, body: bytes, hdr_len: int,
                 if err:
                     raise OSError(-err, os.strerror(-err))
                 return out
-            out.append(_nla_parse(data[off + 16 + hdr_len:off + ln]))
+            attrs = _nla_parse(data[off + 16 + hdr_len:off + ln])
+            out.append((data[off + 16:off + 16 + hdr_len], attrs) if headers else attrs)
             off += (ln + 3) & ~3
             if not dump:
                 return out
@@ -435,6 +376,45 @@ def _nl_request(sk: socket.socket, mtype: int, body: bytes, hdr_len: int,
 
 def _genl(sk: socket.socket, family: int, cmd: int, attrs: bytes, dump: bool) -> list[dict]:
     return _nl_request(sk, family, struct.pack("=BBH", cmd, 1, 0) + attrs, 4, dump)
+
+
+# Root qdisc counters over rtnetlink, in-process: a `tc` spawn costs about half
+# a second under TCG (a few under KASAN), too slow for per-window snapshots.
+_RTM_GETQDISC = 38
+_TCA_KIND, _TCA_STATS2, _TCA_STATS_BASIC, _TCA_STATS_QUEUE = 1, 7, 1, 3
+_TC_H_ROOT = 0xFFFFFFFF
+_TCMSG = "=BBHiIII"         # struct tcmsg: family, pads, ifindex, handle, parent, info
+
+
+def nl_root_qdisc(dev: str) -> dict:
+    """Root qdisc counters of dev (the `tc -s qdisc` numbers): kind, packets
+    (sent), drops, qlen, backlog (bytes), requeues, overlimits; {} without
+    a root qdisc."""
+    idx = socket.if_nametoindex(dev)
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as sk:
+        replies = _nl_request(sk, _RTM_GETQDISC, struct.pack(_TCMSG, socket.AF_UNSPEC, 0, 0,
+                                                             0, 0, 0, 0),
+                              struct.calcsize(_TCMSG), dump=True, headers=True)
+    for hdr, attrs in replies:
+        _, _, _, ifi, _, parent, _ = struct.unpack(_TCMSG, hdr)
+        if ifi != idx or parent != _TC_H_ROOT:
+            continue
+        q = {"kind": attrs.get(_TCA_KIND, b"").rstrip(b"\0").decode(), "packets": 0,
+             "drops": 0, "qlen": 0, "backlog": 0, "requeues": 0, "overlimits": 0}
+        st = _nla_parse(attrs.get(_TCA_STATS2, b""))
+        if len(st.get(_TCA_STATS_BASIC, b"")) >= 12:
+            q["packets"] = struct.unpack_from("=QI", st[_TCA_STATS_BASIC])[1]
+        if len(st.get(_TCA_STATS_QUEUE, b"")) >= 20:
+            (q["qlen"], q["backlog"], q["drops"], q["requeues"],
+             q["overlimits"]) = struct.unpack_from("=5I", st[_TCA_STATS_QUEUE])
+        return q
+    return {}
+
+
+def qdisc_drops(dev: str) -> int:
+    """Drops the root qdisc of dev counted itself (`tc -s qdisc` dropped), 0
+    without one; rtnetlink, no spawn."""
+    return nl_root_qdisc(dev).get("drops", 0)
 
 
 def qstats(dev: str) -> dict | None:
@@ -489,6 +469,7 @@ def link_state(dev: str) -> dict:
 _SIOCETHTOOL = 0x8946
 _ETHTOOL_GDRVINFO = 0x3
 _DRVINFO_SIZE = 196        # struct ethtool_drvinfo
+_IFREQ_SIZE = 40           # struct ifreq on x86-64: name, then a union (ifr_data)
 
 
 def rtnl_barrier(dev: str) -> None:
@@ -500,7 +481,7 @@ def rtnl_barrier(dev: str) -> None:
     buf = ctypes.create_string_buffer(struct.pack("=I", _ETHTOOL_GDRVINFO), _DRVINFO_SIZE)
     ifr = struct.pack(f"={IFNAMSIZ}sQ", dev.encode(), ctypes.addressof(buf))
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sk:
-        fcntl.ioctl(sk.fileno(), _SIOCETHTOOL, ifr + b"\0" * (40 - len(ifr)))
+        fcntl.ioctl(sk.fileno(), _SIOCETHTOOL, ifr.ljust(_IFREQ_SIZE, b"\0"))
 
 
 def tun_flags_sysfs(dev: str) -> int:
