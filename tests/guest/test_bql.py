@@ -38,9 +38,13 @@ test_bql_lifecycle: a paused reader with bytes in flight, then one
 test_bql_wakes_in_batches: 200 x 100 B into a tun nobody reads, fq_codel:
     the ring takes what the limit's floor (two frames of the MTU) allows,
     then the test reads one packet at a time. The qdisc keeps its whole
-    backlog until at most half the limit is in flight, then hands over a
-    batch (patch 0012). Without the floor the limit is one packet's worth;
-    without the half-limit wake-up each read lets one packet in.
+    backlog until at most half the limit is left in the ring, then hands
+    over a batch (patch 0012). Until then the reads keep their bytes in
+    flight (under a quarter of the limit) instead of completing each
+    packet, and the waking read completes them (patch 0014, v11). Without
+    the floor the limit is one packet's worth; without the half-limit
+    wake-up each read lets one packet in; with a completion per read of a
+    stopped queue (v10) no read keeps anything.
 test_bql_gathers_completions: 100 B datagrams, fewer than half the limit,
     into a tun nobody reads (the queue runs), then read one at a time: the
     bytes in flight are those of the ring plus what the reads gathered,
@@ -432,7 +436,7 @@ def test_bql_wakes_in_batches(env, record_property):
                 return q
             time.sleep(0.05)
 
-    got, refill = 0, None
+    got, refill, kept = 0, None, False
     while got < in_ring:
         read_one(t, steps)
         got += 1
@@ -443,9 +447,12 @@ def test_bql_wakes_in_batches(env, record_property):
         q = min(q, qdisc_totals(t.name)["qlen"])
         steps.append(f"read {got}: qdisc {q}, bql {b}")
         if q == qlen:
-            # no refill yet: exactly the ring's bytes in flight
-            assert b["inflight"] == (in_ring - got) * wire, steps
-            if b["inflight"] > b["limit"] // 2:
+            # no refill yet: the ring's bytes in flight, and what the
+            # reads kept, under a quarter of the limit
+            ring = (in_ring - got) * wire
+            assert ring <= b["inflight"] < ring + b["limit"] // 4, steps
+            kept = kept or b["inflight"] > ring
+            if ring > b["limit"] // 2:
                 continue
             # half the limit is free: the queue must run now
             q = qdisc_after(5)
@@ -460,6 +467,8 @@ def test_bql_wakes_in_batches(env, record_property):
     assert (in_ring - reads) * wire <= b["limit"] // 2, f"woken early: {steps}"
     assert (in_ring - reads + 1) * wire > b["limit"] // 2, f"woken late: {steps}"
     assert batch > 1, f"one packet per wake-up: {steps}"
+    # the stopped queue's reads kept their bytes until the waking one
+    assert kept, f"each read of the stopped queue completed its packet: {steps}"
     # the rest arrives, nothing dropped, nothing left in flight
     got = reads
     while got < N:
