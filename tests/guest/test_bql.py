@@ -1,10 +1,10 @@
-"""Byte queue limits under backpressure (NODROP 6.12 patches 0010-0016; 7.3 net-next 3-6).
+"""Byte queue limits under backpressure (NODROP 6.12 patches 0011-0017; 7.3 net-next 3-6).
 
 With backpressure tun accounts the bytes its rings hold per TX queue (BQL),
 so the queue stops at the BQL limit (the core's STACK_XOFF) long before the
 ring's own stop level (txqueuelen packets), and the backlog waits in the
 qdisc. The limit and the bytes in flight are in
-/sys/class/net/<dev>/queues/tx-<n>/byte_queue_limits/ (patch 0016; a DKMS
+/sys/class/net/<dev>/queues/tx-<n>/byte_queue_limits/ (patch 0017; a DKMS
 build on Debian's kernel has BQL but not that directory).
 
 Feature detection: IFF_BACKPRESSURE in TUNGETFEATURES (else skip); the
@@ -34,14 +34,15 @@ test_bql_lifecycle: a paused reader with bytes in flight, then one
     accounted packets); without the in-flight bound of completions, the
     flag-on path BUG()s in dql_completed(). The MTU path also checks that
     BQL's floor follows the MTU (two frames of it: 18000 B at 9000, 2560 B
-    at 1280); without patch 0015 it stays at the MTU of the last reset.
+    at 1280); without patch 0016 it stays at the MTU of the last reset.
 test_bql_wakes_in_batches: 200 x 100 B into a tun nobody reads, fq_codel:
     the ring takes what the limit's floor (two frames of the MTU) allows,
     then the test reads one packet at a time. The qdisc keeps its whole
     backlog until at most half the limit is left in the ring, then hands
-    over a batch (patch 0012). Until then the reads keep their bytes in
-    flight (under a quarter of the limit) instead of completing each
-    packet, and the waking read completes them (patch 0014, v11). Without
+    over a batch ("tun: wake BQL-stopped queues in batches"). Until then
+    the reads keep their bytes in flight (under a quarter of the limit)
+    instead of completing each packet, and the waking read completes them
+    ("tun: gather BQL completions across reads", since v11). Without
     the floor the limit is one packet's worth; without the half-limit
     wake-up each read lets one packet in; with a completion per read of a
     stopped queue (v10) no read keeps anything.
@@ -49,7 +50,7 @@ test_bql_gathers_completions: 100 B datagrams, fewer than half the limit,
     into a tun nobody reads (the queue runs), then read one at a time: the
     bytes in flight are those of the ring plus what the reads gathered,
     under a quarter of the limit, and the first read's stay in flight
-    (patch 0014). With BQL's stall detection on (stall_thrs 500 ms), every
+    (patch 0015). With BQL's stall detection on (stall_thrs 500 ms), every
     read completes: bytes kept across an idle period would count as a stall
     once the next completion reports them. Without the gathering each read
     completes its packet; without the stall-detection rule the reads with
@@ -101,7 +102,7 @@ def wire_bytes(tap: bool) -> int:
 
 def assert_drained(b: dict | None) -> None:
     """The ring is empty: only bytes gathered for completion may be in
-    flight, under a quarter of the limit (patch 0014); none where nothing
+    flight, under a quarter of the limit (patch 0015); none where nothing
     is accounted (backpressure or BQL off: limit 0)."""
     if b is not None:
         assert b["inflight"] == 0 or b["inflight"] < b["limit"] // 4, \
@@ -167,7 +168,7 @@ def test_bql_ring_holds_limit(env, kind, record_property):
         assert b["inflight"] == in_ring * wire_bytes(kind == "tap"), b
         assert b["inflight"] <= b["limit"] + wire_bytes(kind == "tap"), b
     else:
-        log("NOTICE: no byte_queue_limits in sysfs (kernel without patch 0016)")
+        log("NOTICE: no byte_queue_limits in sysfs (kernel without patch 0017)")
     drain(env, t, reader, N)
 
 
@@ -320,7 +321,7 @@ def test_bql_vhost_giveback(env, record_property):
     more than the limit)."""
     t = giveback_tap(env, "ndbqlv0")
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0016)")
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0017)")
     rx = held_by_vhost(env, t, 5, 60)
     held = bql(t.name)
     rx.detach()
@@ -409,7 +410,7 @@ def test_bql_wakes_in_batches(env, record_property):
     lets a batch in, not a packet per read()."""
     t = env.tun("ndbql0", IFF_TUN | IFF_NO_PI | env.bp_flag())
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0016)")
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0017)")
     setup_ip(t.name, tap=False)
     set_fq_codel(t.name)
     wire = SMALL + IP_UDP
@@ -485,7 +486,7 @@ def test_bql_gathers_completions(env, record_property):
     completes."""
     t = env.tun("ndbqlg0", IFF_TUN | IFF_NO_PI | env.bp_flag())
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0016)")
+        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0017)")
     setup_ip(t.name, tap=False)
     set_fq_codel(t.name)
     b = bql(t.name)                     # link up: the limit is at its floor

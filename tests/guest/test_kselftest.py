@@ -1,5 +1,5 @@
 """The series' kselftest (tools/testing/selftests/net/tun_backpressure.c,
-NODROP patch 0007), built in the guest and run on every flavor: it feature-
+NODROP patch 0008), built in the guest and run on every flavor: it feature-
 detects IFF_BACKPRESSURE itself, so the same binary passes on our kernel and
 on mainline, and on stock checks the legacy drops and skips the rest.
 
