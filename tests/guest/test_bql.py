@@ -59,6 +59,10 @@ test_bql_vhost_giveback: vhost-net gives back a batch it took (backend
     detached): inflight is exactly the ring's bytes again.
 test_bql_off_giveback_stops: with BQL off, a give-back that brings the ring
     to its stop level stops the queue (v3-v8: only with BQL on).
+test_bql_noqueue_giveback: with a noqueue root, vhost-net's give-back
+    accounts nothing, and the datagrams sent after it all reach the ring
+    (6.12 v11 and the 7.3 series before session 19: the give-back
+    accounted them, BQL stopped the queue and the core dropped them).
 
 After every drain (the ring empty), what is still in flight is what the
 last reads gathered: less than a quarter of the limit, so nothing with
@@ -78,7 +82,7 @@ from test_lifecycle import quiesce
 from test_vhost import VHOST_DEV, settle
 from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TAP, IFF_TUN, bql, has_priv_flag,
                     link_state, log, qdisc_totals, qstats, qsummary, root_qdisc, set_bql_attr,
-                    set_fq_codel, set_priv_flag, setup_ip, sh, tx_dropped,
+                    set_fq_codel, set_priv_flag, set_qdisc, setup_ip, sh, tx_dropped,
                     wait_backlog_zero)
 
 N = 200            # datagrams per burst
@@ -391,6 +395,52 @@ def test_bql_off_giveback_stops(env, record_property):
         r = rx.wait(ident, n, stall_s=60)
         assert r["result"] == "ok", f"STALL after the give-back ({ident}); {summary}"
     wait_backlog_zero(t.name)
+    assert tx_dropped(t.name) == 0, summary
+
+
+NOQUEUE_HELD = 10  # datagrams vhost-net holds: 10 x 1042 B, over the limit's floor
+NOQUEUE_MORE = 5   # datagrams sent after the give-back
+
+
+def test_bql_noqueue_giveback(env, record_property):
+    """With a noqueue root nothing is accounted for BQL: the core drops the
+    skbs of a queue it finds stopped ("Virtual device ... asks to queue
+    packet!"), so producers leave BQL alone there. vhost-net's give-back
+    must too: the entries it puts back were never accounted, and
+    accounting them (over the limit's floor of two MTU frames) set
+    STACK_XOFF, so that every datagram sent while vhost-net was paused was
+    dropped although the ring had room."""
+    t = giveback_tap(env, "ndbqlv2")
+    if not has_priv_flag(t.name, "bql"):
+        pytest.skip("no 'bql' ethtool private flag (no BQL in this tun)")
+    setup_ip(t.name, tap=True)
+    set_qdisc(t.name, "noqueue")
+    assert root_qdisc(t.name)["kind"] == "noqueue"
+    # the burst waits in the ring; vhost-net, attached after it, runs at
+    # once (the socket is readable), takes the whole ring into its buffer
+    # and keeps it there: no guest buffer is posted
+    r = env.burst(NOQUEUE_HELD, size=SIZE, ident=9, sndbuf=SNDBUF)
+    assert r["ok"] == NOQUEUE_HELD, r
+    rx = env.vhostrx(t, paused=True)
+    settle(t.name)
+    rx.detach()                         # gives the held entries back
+    settle(t.name)
+    b = bql(t.name)
+    r = env.burst(NOQUEUE_MORE, size=SIZE, ident=10, sndbuf=SNDBUF)
+    settle(t.name)
+    drops = tx_dropped(t.name)
+    summary = (f"noqueue: bql after the give-back {b}; {r['ok']} of {NOQUEUE_MORE} "
+               f"sent after it, tx_dropped {drops}")
+    log(summary)
+    record_property("bql_noqueue_giveback", summary)
+    if b is not None:
+        assert b["inflight"] == 0, f"the give-back accounted bytes without a qdisc: {summary}"
+    assert r["ok"] == NOQUEUE_MORE and drops == 0, summary
+    rx.attach()
+    rx.go()
+    for ident, n in (("id9", NOQUEUE_HELD), ("id10", NOQUEUE_MORE)):
+        r = rx.wait(ident, n, stall_s=60)
+        assert r["result"] == "ok", f"not delivered after the give-back ({ident}); {summary}"
     assert tx_dropped(t.name) == 0, summary
 
 
