@@ -1,10 +1,12 @@
-"""Byte queue limits under backpressure (NODROP 6.12 patches 0011-0017; 7.3 net-next 3-6).
+"""Byte queue limits under backpressure (the series' patch "size the ring's
+backlog with byte queue limits" and those after it, 6.12 and 7.3).
 
 With backpressure tun accounts the bytes its rings hold per TX queue (BQL),
 so the queue stops at the BQL limit (the core's STACK_XOFF) long before the
 ring's own stop level (txqueuelen packets), and the backlog waits in the
 qdisc. The limit and the bytes in flight are in
-/sys/class/net/<dev>/queues/tx-<n>/byte_queue_limits/ (patch 0017; a DKMS
+/sys/class/net/<dev>/queues/tx-<n>/byte_queue_limits/ ("net-sysfs: show
+byte_queue_limits of lockless Tx devices that keep BQL"; a DKMS
 build on Debian's kernel has BQL but not that directory).
 
 Feature detection: IFF_BACKPRESSURE in TUNGETFEATURES (else skip); the
@@ -34,7 +36,8 @@ test_bql_lifecycle: a paused reader with bytes in flight, then one
     accounted packets); without the in-flight bound of completions, the
     flag-on path BUG()s in dql_completed(). The MTU path also checks that
     BQL's floor follows the MTU (two frames of it: 18000 B at 9000, 2560 B
-    at 1280); without patch 0016 it stays at the MTU of the last reset.
+    at 1280); without "tun: restart byte queue limits from a changed MTU" it
+    stays at the MTU of the last reset.
 test_bql_wakes_in_batches: 200 x 100 B into a tun nobody reads, fq_codel:
     the ring takes what the limit's floor (two frames of the MTU) allows,
     then the test reads one packet at a time. The qdisc keeps its whole
@@ -50,7 +53,7 @@ test_bql_gathers_completions: 100 B datagrams, fewer than half the limit,
     into a tun nobody reads (the queue runs), then read one at a time: the
     bytes in flight are those of the ring plus what the reads gathered,
     under a quarter of the limit, and the first read's stay in flight
-    (patch 0015). With BQL's stall detection on (stall_thrs 500 ms), every
+    ("tun: gather BQL completions across reads"). With BQL's stall detection on (stall_thrs 500 ms), every
     read completes: bytes kept across an idle period would count as a stall
     once the next completion reports them. Without the gathering each read
     completes its packet; without the stall-detection rule the reads with
@@ -106,7 +109,8 @@ def wire_bytes(tap: bool) -> int:
 
 def assert_drained(b: dict | None) -> None:
     """The ring is empty: only bytes gathered for completion may be in
-    flight, under a quarter of the limit (patch 0015); none where nothing
+    flight, under a quarter of the limit ("tun: gather BQL completions
+    across reads"); none where nothing
     is accounted (backpressure or BQL off: limit 0)."""
     if b is not None:
         assert b["inflight"] == 0 or b["inflight"] < b["limit"] // 4, \
@@ -172,7 +176,7 @@ def test_bql_ring_holds_limit(env, kind, record_property):
         assert b["inflight"] == in_ring * wire_bytes(kind == "tap"), b
         assert b["inflight"] <= b["limit"] + wire_bytes(kind == "tap"), b
     else:
-        log("NOTICE: no byte_queue_limits in sysfs (kernel without patch 0017)")
+        log("NOTICE: no byte_queue_limits in sysfs (kernel without the net-sysfs patch)")
     drain(env, t, reader, N)
 
 
@@ -325,7 +329,7 @@ def test_bql_vhost_giveback(env, record_property):
     more than the limit)."""
     t = giveback_tap(env, "ndbqlv0")
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0017)")
+        pytest.skip("no byte_queue_limits in sysfs (kernel without the net-sysfs patch)")
     rx = held_by_vhost(env, t, 5, 60)
     held = bql(t.name)
     rx.detach()
@@ -353,6 +357,18 @@ def test_bql_vhost_giveback(env, record_property):
 
 
 GIVEBACK_RING = 16  # txqueuelen of test_bql_off_giveback_stops
+
+
+def deliver_after_giveback(t, rx, expected: dict[str, int], summary: str) -> None:
+    """Re-attach vhost-net after a give-back and let it run: every datagram
+    (count per ident) arrives, the backlog drains, nothing was dropped."""
+    rx.attach()
+    rx.go()
+    for ident, n in expected.items():
+        r = rx.wait(ident, n, stall_s=60)
+        assert r["result"] == "ok", f"STALL after the give-back ({ident}); {summary}"
+    wait_backlog_zero(t.name)
+    assert tx_dropped(t.name) == 0, summary
 
 
 def test_bql_off_giveback_stops(env, record_property):
@@ -389,13 +405,7 @@ def test_bql_off_giveback_stops(env, record_property):
     assert s0 == 0 and q0 == 0, f"the burst already filled the ring (vhost held nothing): {summary}"
     assert s1 == 1, f"the give-back filled the ring to its stop level, no stop: {summary}"
     assert q1 == 1, f"the next packet went past the stop level into the ring: {summary}"
-    rx.attach()
-    rx.go()
-    for ident, n in (("id7", GIVEBACK_RING), ("id8", 1)):
-        r = rx.wait(ident, n, stall_s=60)
-        assert r["result"] == "ok", f"STALL after the give-back ({ident}); {summary}"
-    wait_backlog_zero(t.name)
-    assert tx_dropped(t.name) == 0, summary
+    deliver_after_giveback(t, rx, {"id7": GIVEBACK_RING, "id8": 1}, summary)
 
 
 NOQUEUE_HELD = 10  # datagrams vhost-net holds: 10 x 1042 B, over the limit's floor
@@ -436,12 +446,7 @@ def test_bql_noqueue_giveback(env, record_property):
     if b is not None:
         assert b["inflight"] == 0, f"the give-back accounted bytes without a qdisc: {summary}"
     assert r["ok"] == NOQUEUE_MORE and drops == 0, summary
-    rx.attach()
-    rx.go()
-    for ident, n in (("id9", NOQUEUE_HELD), ("id10", NOQUEUE_MORE)):
-        r = rx.wait(ident, n, stall_s=60)
-        assert r["result"] == "ok", f"not delivered after the give-back ({ident}); {summary}"
-    assert tx_dropped(t.name) == 0, summary
+    deliver_after_giveback(t, rx, {"id9": NOQUEUE_HELD, "id10": NOQUEUE_MORE}, summary)
 
 
 SMALL = 100        # UDP payload bytes: many packets under the limit's floor
@@ -460,7 +465,7 @@ def test_bql_wakes_in_batches(env, record_property):
     lets a batch in, not a packet per read()."""
     t = env.tun("ndbql0", IFF_TUN | IFF_NO_PI | env.bp_flag())
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0017)")
+        pytest.skip("no byte_queue_limits in sysfs (kernel without the net-sysfs patch)")
     setup_ip(t.name, tap=False)
     set_fq_codel(t.name)
     wire = SMALL + IP_UDP
@@ -536,7 +541,7 @@ def test_bql_gathers_completions(env, record_property):
     completes."""
     t = env.tun("ndbqlg0", IFF_TUN | IFF_NO_PI | env.bp_flag())
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without patch 0017)")
+        pytest.skip("no byte_queue_limits in sysfs (kernel without the net-sysfs patch)")
     setup_ip(t.name, tap=False)
     set_fq_codel(t.name)
     b = bql(t.name)                     # link up: the limit is at its floor

@@ -1,7 +1,8 @@
 """The series' kselftest (tools/testing/selftests/net/tun_backpressure.c,
-NODROP patch 0008), built in the guest and run on every flavor: it feature-
-detects IFF_BACKPRESSURE itself, so the same binary passes on our kernel and
-on mainline, and on stock checks the legacy drops and skips the rest.
+from "selftests: net: add a test for tun IFF_BACKPRESSURE"), built in the
+guest and run on every flavor: it feature-detects IFF_BACKPRESSURE itself,
+so the same binary passes on our kernel and on mainline, and on stock
+checks the legacy drops and skips the rest.
 
 The lab passes the tree that holds it in NODROP_KSELFTEST_DIR (the 6.12
 series tree; empty until a flavor with that series was built: skip)."""

@@ -1,6 +1,7 @@
 """What an operator sees: the `backpressure` ethtool private flag and the
-per-queue counters in the netdev netlink family's qstats (NODROP patches
-0008 and 0009).
+per-queue counters in the netdev netlink family's qstats (the series'
+"tun: report TX stops, wakes and ring-full drops through qstats" and
+"tun: add a "backpressure" ethtool private flag").
 
 The switch is the operator's own bit: backpressure is on while either it or
 the program's IFF_BACKPRESSURE is set, and TUNGETIFF / tun_flags keep
