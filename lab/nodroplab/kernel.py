@@ -12,6 +12,9 @@
   is mostly cache hits) and objects never embed per-flavor paths.
 * A stamp (source package+version, config hash, series hash) lets an
   unchanged flavor be reused without running make at all.
+* A config change gives the flavor a new build dir; after building it the
+  lab keeps the one the flavor used before (a switch back rebuilds only
+  what differs) and removes older ones (about 400 MB each).
 """
 
 from __future__ import annotations
@@ -54,6 +57,28 @@ class Built:
 
 def build_dir(fl: Flavor) -> Path:
     return cache_dir() / "build" / f"{fl.name}-{safe(fl.source.version)}-{fl.config_hash()[:12]}"
+
+
+KEEP_OLD_BUILDS = 1  # per flavor and source version, besides the current one
+
+
+def prune_builds(fl: Flavor) -> None:
+    """Remove the flavor's build dirs of older configs but the newest
+    KEEP_OLD_BUILDS (by their stamp's mtime; unfinished ones by the dir's).
+    Caller holds build_lock(), so no build of them runs; a guest booted
+    from one only reads its bzImage, loaded before it runs."""
+    cur = build_dir(fl)
+    pat = re.compile(re.escape(f"{fl.name}-{safe(fl.source.version)}-") + r"[0-9a-f]{12}")
+    old = [d for d in cur.parent.iterdir()
+           if d != cur and d.is_dir() and pat.fullmatch(d.name)]
+
+    def age(d: Path) -> float:
+        st = d / STAMP
+        return (st if st.exists() else d).stat().st_mtime
+
+    for d in sorted(old, key=age, reverse=True)[KEEP_OLD_BUILDS:]:
+        say(f"{fl.name}: removing the build of an older config ({d.name})")
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def tree_dir(fl: Flavor) -> Path:
@@ -315,6 +340,7 @@ def kernel(fl: Flavor, *, rebuild: bool = False) -> Built:
         stamp = dict(want, kernelrelease=rel, upstream=upstream, patches=patches,
                      built_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), build_seconds=round(secs, 1))
         stamp_p.write_text(json.dumps(stamp, indent=2) + "\n")
+        prune_builds(fl)
     say(f"{fl.name}: built {rel} in {secs:.0f}s")
     return Built(fl, bz, bdir, rel, src, upstream, want["config_hash"], series_hash,
                  patches, False, secs)
