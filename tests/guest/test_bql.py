@@ -53,11 +53,12 @@ test_bql_gathers_completions: 100 B datagrams, fewer than half the limit,
     into a tun nobody reads (the queue runs), then read one at a time: the
     bytes in flight are those of the ring plus what the reads gathered,
     under a quarter of the limit, and the first read's stay in flight
-    ("tun: gather BQL completions across reads"). With BQL's stall detection on (stall_thrs 500 ms), every
-    read completes: bytes kept across an idle period would count as a stall
-    once the next completion reports them. Without the gathering each read
-    completes its packet; without the stall-detection rule the reads with
-    stall_thrs set keep gathering too.
+    ("tun: gather BQL completions across reads"). With BQL's stall
+    detection on (stall_thrs 500 ms), every read completes: bytes kept
+    across an idle period would count as a stall once the next completion
+    reports them. Without the gathering each read completes its packet;
+    without the stall-detection rule the reads with stall_thrs set keep
+    gathering too.
 test_bql_vhost_giveback: vhost-net gives back a batch it took (backend
     detached): inflight is exactly the ring's bytes again.
 test_bql_off_giveback_stops: with BQL off, a give-back that brings the ring
@@ -110,8 +111,8 @@ def wire_bytes(tap: bool) -> int:
 def assert_drained(b: dict | None) -> None:
     """The ring is empty: only bytes gathered for completion may be in
     flight, under a quarter of the limit ("tun: gather BQL completions
-    across reads"); none where nothing
-    is accounted (backpressure or BQL off: limit 0)."""
+    across reads"); none where nothing is accounted (backpressure or BQL
+    off: limit 0)."""
     if b is not None:
         assert b["inflight"] == 0 or b["inflight"] < b["limit"] // 4, \
             f"bytes in flight with an empty ring: {b}"
@@ -320,6 +321,18 @@ def held_by_vhost(env, t, ident: int, n: int, txqueuelen: int | None = None):
     return rx
 
 
+def deliver_after_giveback(t, rx, expected: dict[str, int], summary: str) -> None:
+    """Re-attach vhost-net after a give-back and let it run: every datagram
+    (count per ident) arrives, the backlog drains, nothing was dropped."""
+    rx.attach()
+    rx.go()
+    for ident, n in expected.items():
+        r = rx.wait(ident, n, stall_s=60)
+        assert r["result"] == "ok", f"STALL after the give-back ({ident}); {summary}"
+    wait_backlog_zero(t.name)
+    assert tx_dropped(t.name) == 0, summary
+
+
 def test_bql_vhost_giveback(env, record_property):
     """vhost-net holds a batch it took (completed for BQL) when its backend
     is detached: the entries it gives back (tun_ring_unconsume()) are
@@ -346,29 +359,12 @@ def test_bql_vhost_giveback(env, record_property):
     record_property("bql_after_giveback", str(b))
     assert b["inflight"] > held["inflight"], f"vhost gave nothing back; {summary}"
     assert b["inflight"] == in_ring * wire_bytes(True), summary
-    rx.attach()
-    rx.go()
-    r = rx.wait("id5", 60, stall_s=60)
-    assert r["result"] == "ok", f"STALL after give-back; {summary}"
-    wait_backlog_zero(t.name)
+    deliver_after_giveback(t, rx, {"id5": 60}, summary)
     quiesce([rx])
-    assert tx_dropped(t.name) == 0
     assert_drained(bql(t.name))
 
 
 GIVEBACK_RING = 16  # txqueuelen of test_bql_off_giveback_stops
-
-
-def deliver_after_giveback(t, rx, expected: dict[str, int], summary: str) -> None:
-    """Re-attach vhost-net after a give-back and let it run: every datagram
-    (count per ident) arrives, the backlog drains, nothing was dropped."""
-    rx.attach()
-    rx.go()
-    for ident, n in expected.items():
-        r = rx.wait(ident, n, stall_s=60)
-        assert r["result"] == "ok", f"STALL after the give-back ({ident}); {summary}"
-    wait_backlog_zero(t.name)
-    assert tx_dropped(t.name) == 0, summary
 
 
 def test_bql_off_giveback_stops(env, record_property):

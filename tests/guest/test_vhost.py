@@ -295,8 +295,8 @@ def fresh_burst(env, dev: str, rx: VhostRx, ident: int, what: str) -> str:
 def ring_full_drops(dev: str) -> int | None:
     """The device's tx-hw-drops from qstats (packets dropped because a ring
     was full, detached queues included; "tun: report TX stops, wakes and
-    ring-full drops through qstats"), None where the
-    device reports no queue statistics."""
+    ring-full drops through qstats"), None where the device reports no
+    queue statistics."""
     st = qstats(dev)
     return None if st is None else st["total"]["hw_drops"]
 
