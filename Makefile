@@ -4,7 +4,7 @@
 #   make test                      deps, fetch, tools, build + boot + guest suite
 #   make test FLAVORS=mainline-7.3 other flavors (lab/flavors.toml)
 #   make chaos DURATION=600        debug flavors: chaos round (SEED=n reproduces one)
-#   make bench                     build, boot and benchmark the three flavors
+#   make bench                     build, boot and benchmark the four bench flavors
 #   make kernel FLAVOR=nodrop-6.12 build or reuse one kernel, print its bzImage
 #                                  (REBUILD=1: run make even if up to date)
 #   make run FLAVOR=stock-6.12 CMD='ip -s link'
