@@ -1,8 +1,12 @@
-"""Scratch: instruction profile (perf cpu-clock under icount) of s2's
-2-thread start_xmit point, with and without BQL (same boot)."""
+"""Instruction profile (perf cpu-clock under icount) of s2's 2-thread
+start_xmit point, with and without BQL (same boot). Run in the guest:
+CLOCK=icount make run FLAVOR=nodrop-6.12 CMD='cd $NODROP_REPO && $NODROP_PYTHON
+docs/results/bql-s2-start-xmit/profile_s2.py > $NODROP_RESULTS/prof.txt 2>&1'
+(NOPERF=1: only the points, e.g. on a kernel with the counting patch).
+Needs `perf` (Debian's linux-perf) on the host, whose / the guest shares:
+not a lab dependency, this is an investigation, not part of make bench."""
 import os, signal, subprocess, sys, time
-sys.path.insert(0, "/work/main/bench")
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, os.path.join(os.environ["NODROP_REPO"], "bench"))
 from scenarios import common as c
 
 out = os.environ["NODROP_RESULTS"]
