@@ -1,5 +1,5 @@
-"""Where s2's two-producer start_xmit point spends its guest time, per task,
-with and without BQL (same boot, order A B B A A B B A, 3 windows each; A =
+"""Where a pktgen point (default: s2's two-producer start_xmit point)
+spends its guest time, per task, with and without BQL (same boot, order A B B A A B B A, 3 windows each; A =
 bp, B = bp-nobql). Per window and task group: CPU time per delivered
 packet (/proc/<pid>/task/<tid>/stat utime + stime: sum_exec_runtime split
 by ticks, 10 ms resolution; under icount shift=0 a guest ns is an
@@ -7,7 +7,7 @@ instruction), voluntary switches (sleeps) per 1000 delivered packets, and
 the idle time of both vCPUs. Run in the guest:
 CLOCK=icount make run FLAVOR=nodrop-6.12 CMD='cd $NODROP_REPO && $NODROP_PYTHON
 docs/results/bql-point-sensitivity/tasks.py > $NODROP_RESULTS/tasks.txt 2>&1'
-Optional arguments: xmit mode (start_xmit) and consumer (vhostrx).
+Optional arguments: xmit mode, consumer, pktgen threads (start_xmit vhostrx 2).
 An investigation, not part of make bench."""
 import glob, json, os, re, statistics, subprocess, sys
 sys.path.insert(0, os.path.join(os.environ["NODROP_REPO"], "bench"))
@@ -66,7 +66,7 @@ def install():
     c.mech_snap, c.mech_rates = snap, rates
 
 
-def table(runs, names, label_fmt="{}"):
+def table(runs, names):
     """Medians over all windows per configuration, one column per name."""
     keys = [g for g, _ in GROUPS] + ["idle (both vCPUs)"]
     rows = [("guest ns per delivered packet", lambda r: r["gns_per_pkt"]),
@@ -78,7 +78,7 @@ def table(runs, names, label_fmt="{}"):
               (lambda k: lambda r: r["sleeps_per_kpkt"][k])(k)) for k, _ in GROUPS]
     rows += [(f"{k}: preemptions per 1000 packets",
               (lambda k: lambda r: r["preempted_per_kpkt"][k])(k)) for k, _ in GROUPS]
-    print("| | " + " | ".join(label_fmt.format(n) for n in names) + " |")
+    print("| | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
     for label, f in rows:
         vals = [statistics.median(f(r) for n, reps in runs if n == name for r in reps)
@@ -87,21 +87,43 @@ def table(runs, names, label_fmt="{}"):
             print(f"| {label} | " + " | ".join(f"{v:.1f}" for v in vals) + " |")
 
 
-def main():
-    install()
-    tools = os.environ["NODROP_TOOLS"]
+def point_args(default_consumer="vhostrx"):
+    """The point from the command line: xmit mode, consumer, pktgen threads."""
     mode = sys.argv[1] if len(sys.argv) > 1 else "start_xmit"
-    consumer = sys.argv[2] if len(sys.argv) > 2 else "vhostrx"
+    consumer = sys.argv[2] if len(sys.argv) > 2 else default_consumer
+    threads = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    return mode, consumer, threads
+
+
+def interleaved(order, config_of, mode, consumer, threads, before=None):
+    """Run the point once (3 windows) per name in @order, in that order,
+    in the configuration config_of(name), after before(name) if given;
+    install() first. Return [(name, windows)] and print the per-name
+    medians, then the table, and save the windows as JSON."""
+    install()
     subprocess.run(["modprobe", "vhost_net"], capture_output=True)
     cfgs = {x["name"]: x for x in c.configs(True, bql_ok=True)}
+    tools = os.environ["NODROP_TOOLS"]
     runs = []
-    for name in ["bp", "bp-nobql", "bp-nobql", "bp", "bp", "bp-nobql", "bp-nobql", "bp"]:
-        pt = c.pktgen_point(tools, cfgs[name], 2, mode, False, 3, 1.5, 0.3, consumer=consumer)
+    for name in order:
+        if before:
+            before(name)
+        pt = c.pktgen_point(tools, cfgs[config_of(name)], threads, mode, False, 3, 1.5, 0.3,
+                            consumer=consumer)
         runs.append((name, pt["reps"]))
         c.say(f"{name}: guest ns/pkt {statistics.median(r['gns_per_pkt'] for r in pt['reps']):.0f}")
-    print(f"s2 2 threads {mode} {consumer}: medians over 12 windows per config")
-    table(runs, ["bp", "bp-nobql"])
-    path = os.path.join(os.environ["NODROP_RESULTS"], f"tasks_{mode}_{consumer}.json")
+    names = list(dict.fromkeys(order))
+    print(f"{threads} threads {mode} {consumer}: medians over "
+          f"{3 * order.count(names[0])} windows per configuration")
+    table(runs, names)
+    return runs
+
+
+def main():
+    mode, consumer, threads = point_args()
+    order = ["bp", "bp-nobql", "bp-nobql", "bp"] * 2
+    runs = interleaved(order, lambda name: name, mode, consumer, threads)
+    path = os.path.join(os.environ["NODROP_RESULTS"], f"tasks_{threads}_{mode}_{consumer}.json")
     with open(path, "w") as f:
         json.dump(runs, f, indent=1)
 
