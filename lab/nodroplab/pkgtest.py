@@ -152,10 +152,12 @@ def _boot(rf: RootfsFlavor, root: Path, rw: Path, paths: list[str], expect: str,
            "NODROP_EXPECT": expect, "NODROP_DKMS_VERSION": version}
     res = boot_and_run(root / rf.vmlinuz.lstrip("/"), _guest_command(rw, paths),
                        rw, env=env, cwd=REPO, timeout=timeout_s(3600), root=root,
-                       shares=shares, boot_timeout=BOOT_TIMEOUT_S)
+                       shares=shares, boot_timeout=BOOT_TIMEOUT_S, retry_unbooted=True)
     r = _suite_result(rw, "guest", "junit.xml")
     counts = {k: r[k] for k in ("passed", "failed", "skipped")}
     counts["notes"] = [f"{rw.name}: {n}" for n in r["notes"]]
+    if res.retried:
+        counts["notes"].append(f"{rw.name}: boot retried once: {res.retried}")
     if res.rc is None:
         counts["failed"] = max(counts["failed"], 1)
         counts["notes"].append(f"{rw.name}: " + ("boot failed" if not res.booted
@@ -421,7 +423,10 @@ class PackageTests:
         log = out / PREPARE_LOG
         say(f"package tests: preparing {', '.join(rf.name for rf in self.rfs)} in the "
             f"background (log: {log})")
-        self.proc = LabChild(["package-prepare", str(out), *(rf.name for rf in self.rfs)], log)
+        # niced: it has until the package rows (the kernel rows come first),
+        # the first kernel build and the guests have not
+        self.proc = LabChild(["package-prepare", str(out), *(rf.name for rf in self.rfs)], log,
+                             nice=10)
 
     def rows(self) -> list[dict]:
         if not self.rfs:

@@ -230,11 +230,26 @@ def _with_debs(root: Path, debs: Path, argv: list[str], log: Path, check: bool =
     return r
 
 
+# udev's rule that loads a driver for every device's modalias. virtme-ng's
+# init runs udev coldplug and waits for it to settle; with it, each boot of
+# Debian's kernel loaded the drivers of QEMU's emulated hardware (ahci, sr,
+# iTCO_wdt, i801_smbus, kvm_amd, ...: 50-70 s of a 120 s boot under TCG,
+# docs/lab.md). Nothing the tests use comes from it: tun, vhost_net and
+# pktgen are loaded by modprobe in the guest command, /dev/net/tun and
+# /dev/vhost-net by the kernel's devtmpfs. A rule file of the same name
+# in /etc linked to /dev/null masks it (udev(7)).
+UDEV_DRIVERS_RULE = "etc/udev/rules.d/80-drivers.rules"
+
+
 def work_copy(rf: RootfsFlavor, dest: Path) -> Path:
-    """A throw-away copy of the base rootfs at dest."""
+    """A throw-away copy of the base rootfs at dest, udev's driver
+    autoloading masked in it (the base stays as Debian made it)."""
     base = ensure_base(rf)
     if dest.exists():
         shutil.rmtree(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     run(["cp", "-a", "--reflink=auto", str(base), str(dest)], quiet=True)
+    rule = dest / UDEV_DRIVERS_RULE
+    rule.parent.mkdir(parents=True, exist_ok=True)
+    rule.symlink_to("/dev/null")
     return dest
