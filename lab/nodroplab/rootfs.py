@@ -9,7 +9,8 @@ a base root filesystem under $NODROP_CACHE/rootfs/<name>-<spechash12>/:
   apt-get install linux-image-<kernel>=<version> linux-headers-<kernel>=<version>
                   dkms + what the guest suite runs (python3, pytest, iproute2, ...)
 
-Every run works on a copy of it (`cp -a --reflink=auto`), where apt inside
+Every run works on a copy of it (`cp -a --reflink=auto`, udev's driver
+autoloading masked: UDEV_DRIVERS_RULE), where apt inside
 the chroot installs our .deb exactly as a user would, and the guest boots
 Debian's /boot/vmlinuz-<kernel> from that copy with it as its root
 (vng --root). The base is never modified after it is complete.

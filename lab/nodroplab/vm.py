@@ -229,24 +229,21 @@ def boot_and_run(bzimage: Path, cmd: str, rwdir: Path, *, env: dict[str, str],
     console = rwdir / "console.log"
 
     kvm, why = kvm_probe() if clock == "wall" else (False, f"clock {clock} needs TCG")
-    attempts = [kvm, False] if kvm else [False]
-    for use_kvm in attempts:
+    # KVM first if it works here, then TCG; a second TCG boot only for
+    # retry_unbooted, and only if the first one ended before the command
+    attempts = [True] * kvm + [False] * (1 + retry_unbooted)
+    retried = None
+    for n, use_kvm in enumerate(attempts, 1):
         res = _boot_once(bzimage, rwdir, meta, console, use_kvm, timeout, boot_timeout,
                          relay, cpus, memory, CLOCK_OPTS[clock], root, shares)
-        if not use_kvm and retry_unbooted and not res.booted and not res.timed_out:
-            first = rwdir / "console-first-boot.log"
-            first.write_bytes(console.read_bytes() if console.exists() else b"")
-            lines = [ln.strip() for ln in tail_lines(first, 80) if ln.strip()]
-            last = next((ln for ln in lines if any(w in ln for w in CRASH_WORDS)),
-                        lines[-1] if lines else "")
-            say(report_failure(res, str(bzimage)) + "\nbooting it once more (retry_unbooted)")
-            res = _boot_once(bzimage, rwdir, meta, console, use_kvm, timeout, boot_timeout,
-                             relay, cpus, memory, CLOCK_OPTS[clock], root, shares)
-            res.retried = (f"the first boot ended before the command started "
-                           f"({last[:160]!r}; {first})")
-        if not use_kvm or (res.booted and not res.kvm_error):
+        res.retried = retried
+        if use_kvm and res.booted and not res.kvm_error:
             return res
-        if res.kvm_error:
+        if not use_kvm and (res.booted or res.timed_out or n == len(attempts)):
+            return res
+        if not use_kvm:
+            retried = _keep_first_console(res, rwdir, bzimage)
+        elif res.kvm_error:
             kvm_broken(f"KVM failed a guest ({bzimage}): internal error or no output "
                        f"in {KVM_SILENT_S}s")
             say(f"under KVM the guest stopped (KVM internal error) or printed nothing in "
@@ -256,6 +253,18 @@ def boot_and_run(bzimage: Path, cmd: str, rwdir: Path, *, env: dict[str, str],
         else:
             say("guest did not start with KVM; retrying once with TCG (--disable-kvm)")
     return res
+
+
+def _keep_first_console(res: GuestResult, rwdir: Path, bzimage: Path) -> str:
+    """retry_unbooted: keep the console of a boot that ended before the
+    command, as console-first-boot.log; what GuestResult.retried says."""
+    first = rwdir / "console-first-boot.log"
+    first.write_bytes(res.console.read_bytes() if res.console.exists() else b"")
+    lines = [ln.strip() for ln in tail_lines(first, 80) if ln.strip()]
+    crash = next((ln for ln in lines if any(w in ln for w in CRASH_WORDS)),
+                 lines[-1] if lines else "")
+    say(report_failure(res, str(bzimage)) + "\nbooting it once more (retry_unbooted)")
+    return f"the first boot ended before the command started ({crash[:160]!r}; {first})"
 
 
 def kvm_broken(reason: str) -> None:
