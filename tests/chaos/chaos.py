@@ -283,9 +283,9 @@ class Chaos:
         # operstate and activates the qdisc in one RTNL section, so a state
         # read as "up" is an active qdisc once RTNL was free after it, and
         # the counters read after that cannot include the noop qdisc's
-        # drops from before the activation. Until session 16 the counters
+        # drops from before the activation. Until 2026-11-26 the counters
         # came first: the likeliest reading of the 49 drops after a
-        # flag_reopen in one round of session 15 (docs/chaos.md).
+        # flag_reopen in one CI round on series v10 (docs/chaos.md).
         link = tl.link_state(DEV)
         tl.rtnl_barrier(DEV)
         return {"t": time.monotonic() - T0, **link, "tx_dropped": tl.tx_dropped(DEV),

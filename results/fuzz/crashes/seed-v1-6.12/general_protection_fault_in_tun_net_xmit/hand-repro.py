@@ -1,4 +1,4 @@
-# Hand-written reproducer (session 7; syz-repro found none in the 16 min the run left it).
+# Hand-written reproducer (2026-11-23; syz-repro found none in the 16 min the run left it).
 # Run as root in a seed-v1-6.12 guest: lab/lab run seed-v1-6.12 'python3 results/fuzz/crashes/seed-v1-6.12/general_protection_fault_in_tun_net_xmit/hand-repro.py'
 # v1 crashed at 'ip link set t0 up' (IPv6 DAD transmits through the zero-slot ring):
 # KASAN: null-ptr-deref in range [0x10-0x17], RIP tun_net_xmit (__ptr_ring_full).
