@@ -19,6 +19,9 @@
  *   wait KEY N MS      answer once counter KEY >= N ("result":"ok"), or
  *                      once MS ms passed without reading any packet
  *                      ("result":"stall"). KEY: pkts ours pktgen idK
+ *   empty              read until the queue has nothing left (read() says
+ *                      EAGAIN), then answer ("result":"empty"); refused
+ *                      while paused or detached ("result":"not-reading")
  *   quit (or EOF)      print the counters and exit
  *
  * Counters: pkts/bytes (everything read), ours (UDP carrying udpburst's
@@ -126,6 +129,54 @@ static void classify(const unsigned char *p, size_t len, int tap, size_t vnet)
 	}
 }
 
+/* packet buffer and what read_one() needs of the options */
+static unsigned char buf[65536 + 256];
+static long delay_us;
+static uint64_t last_progress;
+
+/*
+ * Read and count one packet: 1 if one was read, 0 if the queue has none
+ * (EAGAIN, EINTR), -1 if the fd cannot be read now (detached queue, error).
+ */
+static int read_one(int fd, int tap, size_t vnet)
+{
+	ssize_t r = read(fd, buf, sizeof(buf));
+
+	if (r < 0) {
+		if (errno == EAGAIN || errno == EINTR)
+			return 0;
+		if (errno == EBADFD)
+			cnt.ebadfd++;
+		else
+			cnt.read_errors++;
+		return -1;
+	}
+	cnt.pkts++;
+	cnt.bytes += (unsigned long long)r;
+	classify(buf, (size_t)r, tap, vnet);
+	last_progress = now_ms();
+	if (delay_us > 0) {
+		struct timespec ts = {
+			.tv_sec = delay_us / 1000000,
+			.tv_nsec = (delay_us % 1000000) * 1000,
+		};
+		nanosleep(&ts, NULL);
+	}
+	return 1;
+}
+
+/* "empty": read until read() finds the queue empty; 0 if not reading */
+static int drain_queue(int fd, int tap, size_t vnet, int reading)
+{
+	int r;
+
+	if (!reading)
+		return 0;
+	while ((r = read_one(fd, tap, vnet)) > 0)
+		;
+	return r == 0;
+}
+
 static void usage(void)
 {
 	fprintf(stderr,
@@ -147,17 +198,15 @@ int main(int argc, char **argv)
 		{ "cpu", required_argument, NULL, 'c' },
 		{ NULL, 0, NULL, 0 },
 	};
-	static unsigned char buf[65536 + 256];
 	int fd = -1, tap = 0, cpu = -1, c;
 	const char *dev = NULL;
 	unsigned long flags = 0;
 	size_t vnet = 0;
-	long delay_us = 0;
 	int stdin_open = 1, detached = 0;
 	/* pending "wait" */
 	char wait_key[32] = "";
 	unsigned long long wait_n = 0;
-	uint64_t wait_ms = 0, last_progress = 0;
+	uint64_t wait_ms = 0;
 	char line[256];
 	size_t line_len = 0;
 
@@ -252,30 +301,11 @@ int main(int argc, char **argv)
 
 			detached = 0;
 			for (i = 0; i < BATCH && running; i++) {
-				ssize_t r = read(fd, buf, sizeof(buf));
+				int r = read_one(fd, tap, vnet);
 
-				if (r < 0) {
-					if (errno == EAGAIN || errno == EINTR)
-						break;
-					if (errno == EBADFD) {
-						cnt.ebadfd++;
-						detached = 1;
-						break;
-					}
-					cnt.read_errors++;
-					detached = 1;	/* back off, retry */
+				if (r <= 0) {
+					detached = r < 0;	/* back off, retry */
 					break;
-				}
-				cnt.pkts++;
-				cnt.bytes += (unsigned long long)r;
-				classify(buf, (size_t)r, tap, vnet);
-				last_progress = now_ms();
-				if (delay_us > 0) {
-					struct timespec ts = {
-						.tv_sec = delay_us / 1000000,
-						.tv_nsec = (delay_us % 1000000) * 1000,
-					};
-					nanosleep(&ts, NULL);
 				}
 				if (wait_key[0] && counter(wait_key) >= wait_n) {
 					print_counters("wait", "ok");
@@ -318,6 +348,11 @@ int main(int argc, char **argv)
 						wait_ms = b;
 						last_progress = now_ms();
 					}
+				} else if (!strcmp(cmd, "empty")) {
+					int ok = drain_queue(fd, tap, vnet,
+							     running && !detached);
+
+					print_counters("empty", ok ? "empty" : "not-reading");
 				} else if (!strcmp(cmd, "quit")) {
 					print_counters("quit", NULL);
 					return 0;

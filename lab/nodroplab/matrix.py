@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import tomllib
 from dataclasses import dataclass, field
@@ -39,7 +40,10 @@ class Flavor:
     fragments: tuple[Path, ...]        # absolute paths, merge order
     localversion: str
     chaos: str | None = None           # debug sibling: `make test` runs the chaos round on it
-    known_failures: tuple[str, ...] = ()   # "test_x.py::test_y": a measured defect of this kernel
+    # what the flavor must support (tunlib.FEATURES); None: not declared
+    features: tuple[str, ...] | None = None
+    allowed_skips: tuple[tuple[str, str], ...] = ()    # (test glob, reason regex)
+    known_failures: tuple[tuple[str, str], ...] = ()   # (test, message regex): measured defects
 
     def config_hash(self) -> str:
         """Everything that decides .config: method, fragments (content), localversion."""
@@ -104,6 +108,28 @@ def _rel(p: str) -> Path:
     return (REPO / p).resolve()
 
 
+TUNLIB = REPO / "tests" / "guest" / "tunlib.py"
+
+
+def known_features() -> tuple[str, ...]:
+    """tunlib.FEATURES, the guest suite's list (one source of truth)."""
+    for node in ast.parse(TUNLIB.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "FEATURES" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    raise LabError(f"{TUNLIB}: no FEATURES tuple")
+
+
+def _pairs(path: Path, name: str, key: str, entries, second: str) -> tuple:
+    out = []
+    for e in entries:
+        if not isinstance(e, dict) or set(e) != {"test", second}:
+            raise LabError(f"{path}: flavor {name}: each {key} entry is a table with "
+                           f"exactly `test` and `{second}` (got {e!r})")
+        out.append((e["test"], e[second]))
+    return tuple(out)
+
+
 def _check_chaos_sibling(path: Path, fl: Flavor, flavors: dict[str, Flavor]) -> None:
     """A flavor's `chaos` names a flavor of the same source and series (its
     debug build): the round must exercise the code the flavor ships."""
@@ -150,7 +176,15 @@ def load(path: Path = MATRIX_FILE) -> Matrix:
             series=_rel(f["series"]) if f.get("series") else None,
             fragments=frags, localversion=f.get("localversion", ""),
             chaos=f.get("chaos"),
-            known_failures=tuple(f.get("known_failures", [])))
+            features=tuple(f["features"]) if "features" in f else None,
+            allowed_skips=_pairs(path, name, "allowed_skips", f.get("allowed_skips", []),
+                                 "reason"),
+            known_failures=_pairs(path, name, "known_failures", f.get("known_failures", []),
+                                  "message"))
+        bad = set(flavors[name].features or ()) - set(known_features())
+        if bad:
+            raise LabError(f"{path}: flavor {name}: unknown features {sorted(bad)}; "
+                           f"known: {' '.join(known_features())}")
     for fl in flavors.values():
         _check_chaos_sibling(path, fl, flavors)
     m = data.get("matrix", {})

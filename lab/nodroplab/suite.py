@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import platform
@@ -108,6 +109,8 @@ def _env_for(b: Built, rw: Path, tools: Path | None) -> dict[str, str]:
         "NODROP_SOURCE_VERSION": b.flavor.source.version,
         "NODROP_SERIES_SHA256": b.series_hash,
         "NODROP_KSELFTEST_DIR": kselftest_dir(),
+        **({"NODROP_FEATURES": " ".join(b.flavor.features)}
+           if b.flavor.features is not None else {}),
     })
 
 
@@ -171,32 +174,49 @@ def cmd_run(fl: Flavor, command: str) -> int:
 
 # --- test -----------------------------------------------------------------------
 
-def _junit_counts(path: Path) -> tuple[int, int, int, list[str]]:
+def _junit_counts(path: Path) -> tuple[int, int, int, list[str], list[dict]]:
+    """passed, failed, skipped, failed test names, and per failed or skipped
+    test {"test", "outcome" (failed / skipped / xfailed), "message"}."""
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError):
-        return 0, 0, 0, []
+        return 0, 0, 0, [], []
     p = f = s = 0
-    failed = []
+    failed, details = [], []
     for tc in root.iter("testcase"):
         name = f"{tc.get('classname', '')}::{tc.get('name', '')}"
-        if tc.find("failure") is not None or tc.find("error") is not None:
+        bad = tc.find("failure")
+        if bad is None:
+            bad = tc.find("error")
+        skip = tc.find("skipped")
+        if bad is not None:
             f += 1
             failed.append(name)
-        elif tc.find("skipped") is not None:
+            details.append({"test": name, "outcome": "failed",
+                            "message": bad.get("message") or (bad.text or "")})
+        elif skip is not None:
             s += 1
+            details.append({"test": name, "outcome": "xfailed"
+                            if skip.get("type") == "pytest.xfail" else "skipped",
+                            "message": skip.get("message") or (skip.text or "")})
         else:
             p += 1
-    return p, f, s, failed
+    return p, f, s, failed, details
 
 
-def _test_command(py: str, rw: Path, suites: list[str]) -> str:
+def _test_command(py: str, rw: Path, suites: list[str],
+                  select: list[str] | None = None) -> str:
+    """select: pytest node ids under tests/guest ("test_x.py::test_y") to run
+    instead of the whole guest suite."""
     q = shlex.quote
     lines = [f"cd {q(str(REPO))}"]
     for name in suites:
         d, junit = SUITES[name]
+        rel = str(d.relative_to(REPO))
+        what = " ".join(q(f"{rel}/{n}") for n in select) if select and name == "guest" \
+            else q(rel)
         lines += [
-            f"{q(py)} -m pytest {q(str(d.relative_to(REPO)))} -p no:cacheprovider -v "
+            f"{q(py)} -m pytest {what} -p no:cacheprovider -v "
             f"--junitxml={q(str(rw / junit))}",
             f"echo $? > {q(str(rw / '.nodrop' / ('rc-' + name)))}",
         ]
@@ -209,7 +229,7 @@ def _suite_result(rw: Path, name: str, junit: str) -> dict:
         rc = int(rc_file.read_text().strip())
     except (OSError, ValueError):
         rc = None
-    p, f, s, failed = _junit_counts(rw / junit)
+    p, f, s, failed, details = _junit_counts(rw / junit)
     notes = []
     if rc is None:
         notes.append(f"{name}: pytest did not finish")
@@ -220,7 +240,7 @@ def _suite_result(rw: Path, name: str, junit: str) -> dict:
         notes.append(f"{name}: pytest exit {rc}")
         f += 1
     return {"rc": rc, "passed": p, "failed": f, "skipped": s, "failed_tests": failed,
-            "notes": notes}
+            "details": details, "notes": notes}
 
 
 def cmd_test(flavors: list[Flavor], chaos: list[Flavor], package=None,
@@ -289,14 +309,16 @@ def _tools_row() -> tuple[list[dict], Path | None]:
 
 
 def _suites_row(fl: Flavor, suites: list[str], rw: Path, tools: Path | None,
-                env: dict[str, str], label: str | None = None, built=None) -> dict:
-    """Build fl, boot it, run the named in-guest pytest suites; one table row.
+                env: dict[str, str], label: str | None = None, built=None,
+                b: Built | None = None, select: list[str] | None = None) -> dict:
+    """Build fl (or take the kernel b), boot it, run the named in-guest pytest
+    suites (select: only these guest tests); one table row.
     built: called with the Built kernel before it boots."""
     row = {"flavor": label or fl.name, "kernel": "-", "passed": 0, "failed": 0, "skipped": 0,
            "status": "ok", "notes": []}
     rw.mkdir()
     try:
-        b = kernel(fl)
+        b = b or kernel(fl)
     except LabError as e:
         say(f"error: {e}")
         row.update(status="build failed", failed=1, notes=[str(e).splitlines()[0]])
@@ -309,7 +331,7 @@ def _suites_row(fl: Flavor, suites: list[str], rw: Path, tools: Path | None,
         built(b)
     suites = [s for s in suites if SUITES[s][0].is_dir()]
     limit = timeout_s(max(3600.0, float(env.get("DURATION", 0)) + 1800))
-    res = boot_and_run(b.bzimage, _test_command(lab_python(), rw, suites), rw,
+    res = boot_and_run(b.bzimage, _test_command(lab_python(), rw, suites, select), rw,
                        env={**_env_for(b, rw, tools), **env}, cwd=REPO, timeout=limit)
     row["kernel"] = res.uname or "-"
     results = {s: _suite_result(rw, s, SUITES[s][1]) for s in suites}
@@ -317,7 +339,9 @@ def _suites_row(fl: Flavor, suites: list[str], rw: Path, tools: Path | None,
         for k in ("passed", "failed", "skipped"):
             row[k] += r[k]
         row["notes"] += r["notes"]
-    _count_known_failures(fl, row, [t for r in results.values() for t in r["failed_tests"]])
+    details = [d for r in results.values() for d in r["details"]]
+    _count_known_failures(fl, row, details)
+    _check_skips(fl, row, details)
     if res.rc is None:
         row["status"] = "boot failed" if not res.booted else "guest died"
         row["failed"] = max(row["failed"], 1)
@@ -329,25 +353,64 @@ def _suites_row(fl: Flavor, suites: list[str], rw: Path, tools: Path | None,
 
 
 def _is_test(junit_name: str, entry: str) -> bool:
-    """junit's "<dotted module>::<test>" is flavors.toml's "test_x.py::<test>"."""
+    """junit's "<dotted module>::<test>[param]" matches flavors.toml's
+    "test_x.py::<test glob>" (fnmatch on the test part, parameters included)."""
     module, _, test = junit_name.partition("::")
     emod, _, etest = entry.partition("::")
-    return test == etest and module.rsplit(".", 1)[-1] == emod.removesuffix(".py")
+    return (module.rsplit(".", 1)[-1] == emod.removesuffix(".py")
+            and fnmatch.fnmatchcase(test, etest))
 
 
-def _count_known_failures(fl: Flavor, row: dict, failed_tests: list[str]) -> None:
+def _count_known_failures(fl: Flavor, row: dict, details: list[dict]) -> None:
     """A failure the flavor lists in known_failures (a defect measured on that
-    kernel, e.g. mainline's in test_defects.py) is counted as "known", not as
-    failed: the run stays meaningful (red only on the unexpected) while the
-    test itself stays strict. A known failure that did not fail is noted."""
-    known = [t for t in failed_tests if any(_is_test(t, e) for e in fl.known_failures)]
+    kernel, e.g. mainline's in test_defects.py) whose message matches the
+    entry's regex is counted as "known", not as failed: the run stays
+    meaningful (red only on the unexpected) while the test stays strict. The
+    same test failing for another reason is a failure; a listed defect that
+    did not fail is noted."""
+    known, hit = [], set()
+    for d in details:
+        if d["outcome"] != "failed":
+            continue
+        for i, (test, msg) in enumerate(fl.known_failures):
+            if _is_test(d["test"], test) and re.search(msg, d["message"]):
+                known.append(d["test"])
+                hit.add(i)
+                break
     row["known"] = len(known)
     row["failed"] -= len(known)
     if known:
         row["notes"].append(f"known defects reproduced: {', '.join(known)}")
-    missing = [e for e in fl.known_failures if not any(_is_test(t, e) for t in known)]
+    missing = [t for i, (t, _) in enumerate(fl.known_failures) if i not in hit]
     if missing:
         row["notes"].append(f"known defects not reproduced: {', '.join(missing)}")
+
+
+LACKS = re.compile(r"\[lacks ([a-z0-9-]+)\]")
+
+
+def _check_skips(fl: Flavor, row: dict, details: list[dict]) -> None:
+    """Every skip and xfail must be one the flavor allows: tagged
+    "[lacks <feature>]" (tunlib.lacks) for a feature the flavor does not
+    declare, or matching an allowed_skips entry. Anything else counts as a
+    failure of the row: a flavor that lost a feature must not pass by skipping."""
+    if fl.features is None:
+        row["notes"].append("skips not checked: the flavor declares no features")
+        return
+    bad = []
+    for d in details:
+        if d["outcome"] == "failed":
+            continue
+        m = LACKS.search(d["message"])
+        if m and m.group(1) not in fl.features:
+            continue
+        if any(_is_test(d["test"], t) and re.search(r, d["message"])
+               for t, r in fl.allowed_skips):
+            continue
+        bad.append(f"{d['test']} ({d['outcome']}: {d['message'][:120]})")
+    if bad:
+        row["failed"] += len(bad)
+        row["notes"].append(f"unexpected skips/xfails: {'; '.join(bad)}")
 
 
 def _model_row(out: Path) -> dict:

@@ -84,10 +84,10 @@ import pytest
 
 from test_lifecycle import quiesce
 from test_vhost import VHOST_DEV, settle
-from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TAP, IFF_TUN, bql, has_priv_flag,
+from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TAP, IFF_TUN, bql, has_priv_flag, lacks,
                     link_state, log, qdisc_totals, qstats, qsummary, root_qdisc, set_bql_attr,
                     set_fq_codel, set_priv_flag, set_qdisc, setup_ip, sh, tx_dropped,
-                    wait_backlog_zero)
+                    wait_backlog_zero, wait_tx_settled)
 
 N = 200            # datagrams per burst
 SIZE = 1000        # UDP payload bytes
@@ -101,7 +101,7 @@ ETH = 14
 @pytest.fixture(autouse=True)
 def _needs_bp(env):
     if not env.bp:
-        pytest.skip("no IFF_BACKPRESSURE in TUNGETFEATURES: no BQL either")
+        lacks("backpressure", "no IFF_BACKPRESSURE in TUNGETFEATURES: no BQL either")
 
 
 def wire_bytes(tap: bool) -> int:
@@ -128,8 +128,7 @@ def paused_burst(env, kind: str, flags: int = 0, txqueuelen: int | None = None):
     reader = env.reader(t, tap=tap, paused=True)
     r = env.burst(N, size=SIZE, ident=1, sndbuf=SNDBUF)
     assert r["ok"] == N, r
-    time.sleep(0.3)
-    q = qdisc_totals(t.name)
+    q = wait_tx_settled(t.name)
     in_ring = N - q["qlen"] - tx_dropped(t.name)
     log(f"{kind}: qdisc {qsummary(root_qdisc(t.name))}, in the ring {in_ring}, "
         f"bql {bql(t.name)}")
@@ -143,8 +142,7 @@ def drain(env, t, reader, expect: int) -> None:
     r = reader.wait("id1", expect, stall_s=60)
     assert r["result"] == "ok", (f"STALL: reader got {r['per_id'][1]} of {expect}; "
                                  f"qdisc {qsummary(root_qdisc(t.name))} bql {bql(t.name)}")
-    wait_backlog_zero(t.name)
-    quiesce([reader])
+    quiesce([reader], t.name)
     d0 = tx_dropped(t.name)
     base = reader.stat()["per_id"][2]
     r = env.burst(FRESH, size=SIZE, ident=2, sndbuf=SNDBUF)
@@ -152,8 +150,7 @@ def drain(env, t, reader, expect: int) -> None:
     r = reader.wait("id2", base + FRESH, stall_s=60)
     assert r["result"] == "ok", (f"STALL: fresh burst {r['per_id'][2] - base}/{FRESH}; "
                                  f"qdisc {qsummary(root_qdisc(t.name))} bql {bql(t.name)}")
-    wait_backlog_zero(t.name)
-    quiesce([reader])
+    quiesce([reader], t.name)
     assert tx_dropped(t.name) == d0, "ring drops during the fresh burst"
     assert_drained(bql(t.name))
 
@@ -169,8 +166,9 @@ def test_bql_ring_holds_limit(env, kind, record_property):
         # backpressure without BQL (mainline, our 7.3 series): the ring is
         # the standing queue fq_codel cannot see; record it, check the rest
         drain(env, t, reader, N)
-        pytest.xfail(f"no BQL in this tun (no 'bql' private flag): "
-                     f"the ring took {in_ring} of {N}, fq_codel held {N - in_ring}")
+        lacks("bql", f"no BQL in this tun (no 'bql' private flag): "
+                     f"the ring took {in_ring} of {N}, fq_codel held {N - in_ring}",
+              xfail=True)
     # the stop level is txqueuelen (500/1000): only BQL stops the queue this early
     assert in_ring < N // 2, f"the ring took {in_ring} of {N}: no byte queue limit"
     if b is not None:
@@ -186,21 +184,20 @@ def test_bql_switch_off(env, record_property):
     after traffic with BQL on (DQL has completed bytes)."""
     t = env.tun("ndbql0", IFF_TUN | IFF_NO_PI | env.bp_flag())
     if not has_priv_flag(t.name, "bql"):
-        pytest.skip("no 'bql' ethtool private flag (no BQL in this tun)")
+        lacks("bql", "no 'bql' ethtool private flag (no BQL in this tun)")
     setup_ip(t.name, tap=False, txqueuelen=RING)
     set_fq_codel(t.name)
     reader = env.reader(t)
     r = env.burst(N, size=SIZE, ident=3, sndbuf=SNDBUF)
     assert r["ok"] == N, r
     assert reader.wait("id3", N, stall_s=60)["result"] == "ok"
-    wait_backlog_zero(t.name)
-    quiesce([reader])
+    quiesce([reader], t.name)
     reader.pause()
     set_priv_flag(t.name, "bql", False)
     q0 = root_qdisc(t.name)
     r = env.burst(N, size=SIZE, ident=1, sndbuf=SNDBUF)
     assert r["ok"] == N, r
-    time.sleep(0.3)
+    wait_tx_settled(t.name)
     q = root_qdisc(t.name)
     b = bql(t.name)
     requeues = q["requeues"] - q0["requeues"]
@@ -274,14 +271,14 @@ def test_bql_lifecycle(env, path, record_property):
     t = env.tun("ndbql0", IFF_TUN | IFF_NO_PI | extra | bp)
     if switch is not None:
         if not has_priv_flag(t.name, "backpressure"):
-            pytest.skip("no 'backpressure' ethtool private flag")
+            lacks("switch", "no 'backpressure' ethtool private flag")
         set_priv_flag(t.name, "backpressure", switch)
     setup_ip(t.name, tap=False)
     set_fq_codel(t.name)
     reader = env.reader(t, paused=True)
     r = env.burst(N, size=SIZE, ident=1, sndbuf=SNDBUF)
     assert r["ok"] == N, r
-    time.sleep(0.3)
+    wait_tx_settled(t.name)
     before = bql(t.name)
     log(f"{path}: before: qdisc {qsummary(root_qdisc(t.name))} bql {before}")
     action(env, t, None)
@@ -294,8 +291,7 @@ def test_bql_lifecycle(env, path, record_property):
         # packets of the purged ring / of the reset qdisc are gone: only
         # the fresh burst counts
         reader.go()
-        wait_backlog_zero(t.name)
-        quiesce([reader])
+        quiesce([reader], t.name)
         drain(env, t, reader, reader.stat()["per_id"][1])
 
 
@@ -303,7 +299,7 @@ def giveback_tap(env, name: str):
     """A tap with backpressure for the vhost-net give-back tests; skips
     without /dev/vhost-net."""
     if not os.path.exists(VHOST_DEV):
-        pytest.skip(f"no {VHOST_DEV}")
+        lacks("vhost-net", f"no {VHOST_DEV}")
     return env.tun(name, IFF_TAP | IFF_NO_PI | env.bp_flag())
 
 
@@ -342,7 +338,7 @@ def test_bql_vhost_giveback(env, record_property):
     more than the limit)."""
     t = giveback_tap(env, "ndbqlv0")
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without the net-sysfs patch)")
+        lacks("bql-sysfs", "no byte_queue_limits in sysfs (kernel without the net-sysfs patch)")
     rx = held_by_vhost(env, t, 5, 60)
     held = bql(t.name)
     rx.detach()
@@ -360,7 +356,7 @@ def test_bql_vhost_giveback(env, record_property):
     assert b["inflight"] > held["inflight"], f"vhost gave nothing back; {summary}"
     assert b["inflight"] == in_ring * wire_bytes(True), summary
     deliver_after_giveback(t, rx, {"id5": 60}, summary)
-    quiesce([rx])
+    quiesce([rx], t.name)
     assert_drained(bql(t.name))
 
 
@@ -375,7 +371,7 @@ def test_bql_off_giveback_stops(env, record_property):
     stopped it."""
     t = giveback_tap(env, "ndbqlv1")
     if not has_priv_flag(t.name, "bql"):
-        pytest.skip("no 'bql' ethtool private flag (no BQL in this tun)")
+        lacks("bql", "no 'bql' ethtool private flag (no BQL in this tun)")
     set_priv_flag(t.name, "bql", False)
     # vhost-net takes the first packet alone and keeps it; the rest of the
     # burst leaves the ring one under its stop level (one burst of 16 left
@@ -418,7 +414,7 @@ def test_bql_noqueue_giveback(env, record_property):
     dropped although the ring had room."""
     t = giveback_tap(env, "ndbqlv2")
     if not has_priv_flag(t.name, "bql"):
-        pytest.skip("no 'bql' ethtool private flag (no BQL in this tun)")
+        lacks("bql", "no 'bql' ethtool private flag (no BQL in this tun)")
     setup_ip(t.name, tap=True)
     set_qdisc(t.name, "noqueue")
     assert root_qdisc(t.name)["kind"] == "noqueue"
@@ -461,13 +457,13 @@ def test_bql_wakes_in_batches(env, record_property):
     lets a batch in, not a packet per read()."""
     t = env.tun("ndbql0", IFF_TUN | IFF_NO_PI | env.bp_flag())
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without the net-sysfs patch)")
+        lacks("bql-sysfs", "no byte_queue_limits in sysfs (kernel without the net-sysfs patch)")
     setup_ip(t.name, tap=False)
     set_fq_codel(t.name)
     wire = SMALL + IP_UDP
     r = env.burst(N, size=SMALL, ident=6, sndbuf=SNDBUF)
     assert r["ok"] == N, r
-    time.sleep(0.3)
+    wait_tx_settled(t.name)
     b = bql(t.name)
     qlen = qdisc_totals(t.name)["qlen"]
     in_ring = N - qlen - tx_dropped(t.name)
@@ -537,7 +533,7 @@ def test_bql_gathers_completions(env, record_property):
     completes."""
     t = env.tun("ndbqlg0", IFF_TUN | IFF_NO_PI | env.bp_flag())
     if bql(t.name) is None:
-        pytest.skip("no byte_queue_limits in sysfs (kernel without the net-sysfs patch)")
+        lacks("bql-sysfs", "no byte_queue_limits in sysfs (kernel without the net-sysfs patch)")
     setup_ip(t.name, tap=False)
     set_fq_codel(t.name)
     b = bql(t.name)                     # link up: the limit is at its floor
@@ -548,8 +544,7 @@ def test_bql_gathers_completions(env, record_property):
     def burst_and_read(ident: int, label: str) -> list[dict]:
         r = env.burst(k, size=SMALL, ident=ident, sndbuf=SNDBUF)
         assert r["ok"] == k, r
-        time.sleep(0.3)
-        assert qdisc_totals(t.name)["qlen"] == 0, "the queue stopped under half its limit"
+        assert wait_tx_settled(t.name)["qlen"] == 0, "the queue stopped under half its limit"
         steps = []
         for got in range(1, k + 1):
             read_one(t, steps)

@@ -17,13 +17,11 @@ must keep the legacy tail-drop (975 dropped), never stop the queue.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from tunlib import (IFF_NO_PI, IFF_TAP, IFF_TUN, IFF_VNET_HDR, log, qsummary,
+from tunlib import (IFF_NO_PI, IFF_TAP, IFF_TUN, IFF_VNET_HDR, drained, log, qsummary,
                     ring_level_only, root_qdisc, set_fq_codel, set_qdisc, setup_ip,
-                    tx_dropped, wait_backlog_zero)
+                    tx_dropped)
 
 RING = 25          # txqueuelen == ptr_ring size per queue
 N = 1000           # datagrams in the burst
@@ -61,8 +59,7 @@ def drain_and_check(env, dev: str, reader, expect: int) -> dict:
         f"STALL: reader got ours={r['ours']} of expected {expect} and then "
         f"nothing for 60s; qdisc {qsummary(root_qdisc(dev))} "
         f"tx_dropped={tx_dropped(dev)}")
-    q = wait_backlog_zero(dev)
-    time.sleep(0.3)  # anything beyond `expect` would be a counting bug
+    q = drained(dev, [reader])   # anything beyond `expect` would be a counting bug
     r = reader.stat()
     log(f"final: reader ours={r['ours']} pkts={r['pkts']} bad={r['bad']} "
         f"other={r['other']} qdisc backlog={q['qlen']}p")

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 import warnings
 
 import pytest
 
 from tunlib import (IFF_NO_PI, IFF_TAP, IFF_TUN, LOCAL_IP, PEER_IP, PEER_MAC,
-                    cpus, ethtool_priv_flags, log, qdisc_totals, qsummary,
+                    cpus, drained, ethtool_priv_flags, lacks, log, qdisc_totals, qsummary,
                     root_qdisc, set_fq_codel, set_qdisc, setup_ip,
                     tx_dropped, wait_backlog_zero)
 
@@ -78,9 +77,8 @@ def test_concurrent_senders(env, nsenders, qdisc, record_property):
     q = qdisc_totals(t.name)
     qdrops = q["drops"] - q0["drops"]
     expect = ok - drops - qdrops
-    r = reader.wait("ours", expect, stall_s=60)
-    time.sleep(0.3)
-    r = reader.stat()
+    reader.wait("ours", expect, stall_s=60)
+    r = reader.empty()
     summary = (f"[{nsenders} senders, qdisc '{qdisc}', bp={env.bp}] sent_ok={ok} "
                f"tx_dropped={drops} qdisc_drops={qdrops} received={r['ours']} "
                f"expected={expect} qdisc: {qsummary(root_qdisc(t.name))}")
@@ -146,10 +144,10 @@ def pktgen_two_threads(env, record_property, name: str = "ndpg0", count: int = P
     counted as sent. Returns drops, summary and whether the device exposes
     the private flag. Also used by test_defects.py."""
     if not os.path.isdir(PG):
-        pytest.skip("no /proc/net/pktgen (kernel without CONFIG_NET_PKTGEN)")
+        lacks("pktgen", "no /proc/net/pktgen (kernel without CONFIG_NET_PKTGEN)")
     threads = sorted(n for n in os.listdir(PG) if n.startswith("kpktgend_"))
     if len(threads) < 2:
-        pytest.skip(f"need 2 pktgen threads (CPUs), have {threads}")
+        lacks("smp", f"need 2 pktgen threads (CPUs), have {threads}")
     threads = threads[:2]
 
     t = env.tun(name, IFF_TAP | IFF_NO_PI | env.bp_flag())
@@ -195,9 +193,8 @@ def pktgen_two_threads(env, record_property, name: str = "ndpg0", count: int = P
     sent = sum(c["sofar"] for c in counts)
     errors = sum(c["errors"] for c in counts)
 
-    r = reader.wait("pktgen", sent, stall_s=60)
-    wait_backlog_zero(t.name)
-    time.sleep(0.3)
+    reader.wait("pktgen", sent, stall_s=60)
+    drained(t.name, [reader])
     r = reader.stat()
     drops = tx_dropped(t.name) - d0
     summary = (f"[pktgen 2 threads x {count}, {pkt_size} B, ring {ring}, tap, "
@@ -224,5 +221,6 @@ def test_pktgen_concurrent(env, record_property):
         return
     if extension:
         pytest.fail(f"NODROP extension present, but ring drops with 2 pktgen threads; {summary}")
-    pytest.xfail(f"RECORDED: {drops} ring drops with 2 concurrent pktgen threads "
-                 f"(zero needs NODROP's extension, not advertised here); {summary}")
+    lacks("nodrop", f"RECORDED: {drops} ring drops with 2 concurrent pktgen threads "
+              f"(zero needs NODROP's extension, not advertised here); {summary}",
+          xfail=True)

@@ -32,13 +32,13 @@ import pytest
 from test_concurrent import pktgen_two_threads
 from test_vhost import (DA_BUFS, DA_RATE, DA_RING, VHOST_DEV, check_clean,
                         fresh_burst, giveback_sequence, make_tap)
-from tunlib import log, set_fq_codel
+from tunlib import lacks, log, set_fq_codel
 
 
 @pytest.fixture(autouse=True)
 def _need_flag(env):
     if not env.bp:
-        pytest.skip("kernel without IFF_BACKPRESSURE (TUNGETFEATURES): nothing promised")
+        lacks("backpressure", "kernel without IFF_BACKPRESSURE (TUNGETFEATURES): nothing promised")
 
 
 # the bench's s1 point (64-byte packets, txqueuelen 500, a reader that cannot
@@ -59,7 +59,7 @@ def test_defect_concurrent_bypass(env, record_property):
 
 def test_defect_vhost_unconsume(env, record_property):
     if not os.path.exists(VHOST_DEV):
-        pytest.skip(f"no {VHOST_DEV} (kernel without CONFIG_VHOST_NET)")
+        lacks("vhost-net", f"no {VHOST_DEV} (kernel without CONFIG_VHOST_NET)")
     t = make_tap(env, "nddef1", env.bp_flag(), True, DA_RING)
     dev = t.name
     set_fq_codel(dev)

@@ -16,17 +16,53 @@
   succeed. The same assertions hold on every backpressure kernel (ours and
   mainline, call by call); on older kernels the bit is ignored, so the
   re-attach succeeds and the bit is never reported.
+* The kernel has exactly the kernel features its lab flavor declares
+  (lab/flavors.toml `features`, NODROP_FEATURES): a series that loses its
+  feature bit, switch, counters or BQL fails here, and so does a
+  declaration that claims less than the kernel has.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from tunlib import (IFF_BACKPRESSURE, IFF_MULTI_QUEUE, IFF_NO_PI, IFF_ONE_QUEUE,
                     IFF_TAP, IFF_TUN, IFF_UNDEFINED_BIT, IFF_VNET_HDR, Tun,
-                    flag_names, get_features, log)
+                    bql, declared_features, flag_names, get_features, has_priv_flag, log,
+                    qstats, set_priv_flag, setup_ip)
 
 TYPES = [pytest.param(IFF_TUN, id="tun"), pytest.param(IFF_TAP, id="tap")]
+
+
+def _kernel_has(env) -> dict[str, bool]:
+    """The kernel features of tunlib.FEATURES, probed on one tun."""
+    t = env.tun("ndhave0", IFF_TUN | IFF_NO_PI)
+    setup_ip(t.name, tap=False)
+    switch = has_priv_flag(t.name, "backpressure")
+    if switch:
+        set_priv_flag(t.name, "backpressure", True)
+    return {"backpressure": bool(get_features() & IFF_BACKPRESSURE),
+            "switch": switch,
+            "bql": has_priv_flag(t.name, "bql"),
+            "qstats": qstats(t.name) is not None,
+            "bql-sysfs": bql(t.name) is not None,
+            "vhost-net": os.path.exists("/dev/vhost-net"),
+            "pktgen": os.path.isdir("/proc/net/pktgen")}
+
+
+def test_declared_features(env, record_property):
+    declared = declared_features()
+    if declared is None:
+        pytest.skip("not booted by the lab: no NODROP_FEATURES to compare with")
+    have = _kernel_has(env)
+    record_property("kernel_features", " ".join(k for k, v in have.items() if v))
+    wrong = {k: v for k, v in have.items() if v != (k in declared)}
+    assert not wrong, ("the kernel and its flavor's declaration differ: "
+                       + ", ".join(f"{k}: kernel {'has' if v else 'lacks'} it, flavor "
+                                   f"{'does not declare' if v else 'declares'} it"
+                                   for k, v in wrong.items()))
 
 
 def test_features_reported(env, record_property):

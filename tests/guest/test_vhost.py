@@ -54,7 +54,7 @@ import pytest
 
 from test_lifecycle import counts, quiesce, wait_total
 from tunlib import (IFF_BACKPRESSURE, IFF_NO_PI, IFF_TAP, IFF_VNET_HDR, VhostRx,
-                    cpus, log, qdisc_totals, qstats, qsummary, root_qdisc,
+                    cpus, lacks, log, qdisc_totals, qstats, qsummary, root_qdisc,
                     ring_level_only, set_fq_codel, set_qdisc, setup_ip, tx_dropped,
                     wait_backlog_zero)
 
@@ -71,7 +71,7 @@ STALL_S = 60.0
 @pytest.fixture(autouse=True)
 def _need_vhost():
     if not os.path.exists(VHOST_DEV):
-        pytest.skip(f"no {VHOST_DEV} (kernel without CONFIG_VHOST_NET)")
+        lacks("vhost-net", f"no {VHOST_DEV} (kernel without CONFIG_VHOST_NET)")
 
 
 def make_tap(env, name: str, extra: int, vnet: bool, txqueuelen: int,
@@ -332,8 +332,7 @@ def giveback_sequence(env, dev: str, rx: VhostRx) -> dict:
     rx.detach()
     rx.attach()
     rx.go()
-    wait_backlog_zero(dev, stall_s=STALL_S)
-    quiesce([rx])
+    quiesce([rx], dev)
     st = rx.stat()
     sent = DA_BUFS + HELD_BURST + HELD_BURST2
     got = sum(st["per_id"][i] for i in (3, 5, 6))
@@ -380,7 +379,7 @@ def test_vhost_load_events(env, events, record_property):
 
     # no stall: whatever the qdisc holds drains once the load stops
     q = wait_backlog_zero(dev, stall_s=STALL_S)
-    quiesce([rx])
+    quiesce([rx], dev)
     st = rx.stat()
     load_drops = tx_dropped(dev) - d0
     load_qdrops = qdisc_totals(dev)["drops"] - q0["drops"]
@@ -401,9 +400,13 @@ def test_vhost_load_events(env, events, record_property):
     if events == "pause_go":
         # nothing but vhost-net consuming: nothing may vanish uncounted
         assert load_lost == 0, f"packets lost without a drop count; {load_summary}"
+    elif load_lost and env.bp:
+        # our give-back keeps room for what vhost-net holds: 0 lost
+        lacks("nodrop", f"RECORDED: {load_lost} packets of the load freed silently "
+              f"by backend changes; {load_summary}", xfail=True)
     elif load_lost:
-        warnings.warn(f"RECORDED: {load_lost} packets of the load freed silently "
-                      f"by backend changes; {load_summary}")
+        warnings.warn(f"RECORDED: stock frees {load_lost} packets of the load silently "
+                      f"at backend changes; {load_summary}")
 
     # phase A: a fresh burst with the consumer running: no stall
     fresh_burst(env, dev, rx, 2, "fresh burst after the load")
@@ -444,12 +447,14 @@ def test_vhost_load_events(env, events, record_property):
     check_clean(st)
     assert shortfall >= 0, f"more received than sent?; {held_summary}"
     assert shortfall <= VHOST_BATCH, f"lost more than vhost can hold; {held_summary}"
-    if shortfall:
-        warnings.warn(f"RECORDED: vhost backend change freed {shortfall} packets "
-                      f"silently; {held_summary}")
-
     # and still no stall after that
     fresh_burst(env, dev, rx, 4, "last fresh burst")
+    if shortfall and env.bp:
+        lacks("nodrop", f"RECORDED: vhost backend change freed {shortfall} packets "
+              f"silently; {held_summary}", xfail=True)
+    elif shortfall:
+        warnings.warn(f"RECORDED: stock frees {shortfall} packets silently at a vhost "
+                      f"backend change; {held_summary}")
 
 
 # --- 4. legacy: no flag, stock behaviour on every kernel ------------------------

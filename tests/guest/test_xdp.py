@@ -36,7 +36,7 @@ import struct
 
 import pytest
 
-from tunlib import (IFF_NO_PI, IFF_TAP, bql, has_priv_flag, log, nla, qstats,
+from tunlib import (IFF_NO_PI, IFF_TAP, bql, has_priv_flag, lacks, log, nla, qstats,
                     ring_level_only, root_qdisc, set_fq_codel, set_qdisc, setup_ip, sh,
                     tx_dropped, wait_backlog_zero)
 
@@ -106,7 +106,7 @@ def xdp_into(env):
         try:
             fd = load_redirect_prog(socket.if_nametoindex(tap))
         except OSError as e:
-            pytest.skip(f"cannot load an XDP program here: {e}")
+            lacks("xdp", f"cannot load an XDP program here: {e}")
         try:
             attach_xdp("ndxv1", fd)
         finally:
@@ -151,8 +151,8 @@ def test_xdp_redirect_keeps_skb_room(env, xdp_into, record_property):
         return
     lost = SKB_N - got_skb
     if lost and not ours:
-        pytest.xfail(f"RECORDED: a backpressure kernel without the XDP cap lost "
-                     f"{lost} skbs behind XDP frames; {summary}")
+        lacks("nodrop", f"RECORDED: a backpressure kernel without the XDP cap lost "
+              f"{lost} skbs behind XDP frames; {summary}", xfail=True)
     assert lost == 0, f"skbs lost behind XDP frames: {summary}"
     assert got_xdp <= RING, f"XDP frames went beyond the stop level: {summary}"
     assert d_all == d_xdp == XDP_N - got_xdp, f"drops other than XDP's: {summary}"
@@ -165,7 +165,7 @@ def test_xdp_bql_noqueue(env, xdp_into, record_property):
     t = env.tun("ndxdp1", IFF_TAP | IFF_NO_PI | env.bp_flag())
     dev = t.name
     if not env.bp or not has_priv_flag(dev, "bql"):
-        pytest.skip("no 'bql' ethtool private flag (no BQL in this tun)")
+        lacks("bql", "no 'bql' ethtool private flag (no BQL in this tun)")
     setup_ip(dev, tap=True, txqueuelen=RING)
     set_qdisc(dev, "noqueue")
     assert root_qdisc(dev)["kind"] == "noqueue"

@@ -155,6 +155,45 @@ def has_backpressure() -> bool:
     return bool(get_features() & IFF_BACKPRESSURE)
 
 
+# --- what the flavor must support (lab/flavors.toml `features`) ----------------
+# The lab passes the booted flavor's declared features in NODROP_FEATURES
+# (space-separated). A test that finds the kernel without something it needs
+# calls lacks(): the test skips (or xfails) with a "[lacks <feature>]" tag the
+# lab matches against the declaration, and fails outright when the flavor
+# declares that feature. Outside the lab (no NODROP_FEATURES) the kernel decides.
+FEATURES = ("backpressure", "switch", "qstats", "bql", "bql-sysfs", "nodrop",
+            "vhost-net", "pktgen", "smp", "xdp", "kselftest", "openvpn", "unpriv-tools")
+
+
+def declared_features() -> set[str] | None:
+    v = os.environ.get("NODROP_FEATURES")
+    if v is None:
+        return None
+    feats = set(v.split())
+    unknown = feats - set(FEATURES)
+    if unknown:
+        raise RuntimeError(f"NODROP_FEATURES names unknown features {sorted(unknown)}; "
+                           f"known: {' '.join(FEATURES)}")
+    return feats
+
+
+def declares(feature: str) -> bool:
+    """The booted flavor says it must support `feature` (False outside the lab)."""
+    assert feature in FEATURES, feature
+    return feature in (declared_features() or ())
+
+
+def lacks(feature: str, why: str, *, xfail: bool = False):
+    """This kernel lacks `feature`: skip (xfail=True: record an expected
+    failure) tagged "[lacks <feature>]", or fail if the flavor declares it."""
+    import pytest    # tunlib is also imported by bench code without pytest
+    assert feature in FEATURES, feature
+    if declares(feature):
+        pytest.fail(f"the flavor declares '{feature}' but this kernel lacks it: {why}",
+                    pytrace=False)
+    (pytest.xfail if xfail else pytest.skip)(f"[lacks {feature}] {why}")
+
+
 class Tun:
     """One /dev/net/tun file descriptor attached to a device (one queue)."""
 
@@ -275,6 +314,37 @@ def set_fq_codel(dev: str, parent: str = "root") -> str:
             f"'{FQ_CODEL_FALLBACK}' instead")
     set_qdisc(dev, FQ_CODEL_FALLBACK, parent)
     return FQ_CODEL_FALLBACK
+
+
+def drained(dev: str, readers, stall_s: float = 60.0) -> dict:
+    """The qdisc's backlog reached 0, then every reader found its queue
+    empty: nothing sent before is still on its way. Returns the root qdisc."""
+    q = wait_backlog_zero(dev, stall_s=stall_s)
+    for r in readers:
+        r.empty()
+    return q
+
+
+def wait_tx_settled(dev: str, stall_s: float = 60.0) -> dict:
+    """After a burst into a paused reader of a single-queue device: wait
+    until the split between the qdisc and the ring is final, i.e. the qdisc
+    is empty or the queue is stopped: by the ring (qstats: more stops than
+    wakes) or by BQL (byte_queue_limits: more in flight than the limit).
+    Returns the root qdisc's totals. Without either counter only an empty
+    qdisc ends the wait."""
+    end = time.monotonic() + stall_s
+    while True:
+        q = qdisc_totals(dev)
+        if q["qlen"] == 0:
+            return q
+        st, b = qstats(dev), bql(dev)
+        if (st is not None and any(c["stop"] > c["wake"] for c in st["queues"].values())) \
+                or (b is not None and b["inflight"] > b["limit"]):
+            return qdisc_totals(dev)
+        if time.monotonic() > end:
+            raise AssertionError(f"{dev}: the qdisc holds {q['qlen']}p but the queue is "
+                                 f"not stopped after {stall_s:.0f}s (qstats {st}, bql {b})")
+        time.sleep(0.05)
 
 
 def wait_backlog_zero(dev: str, stall_s: float = 60.0, poll_s: float = 0.2,
@@ -610,6 +680,13 @@ class Reader:
         # the hard timeout only guards against a wedged tunreader
         return self.cmd(f"wait {key} {n} {int(stall_s * 1000)}",
                         timeout=stall_s * 20 + 600)
+
+    def empty(self) -> dict:
+        """Read until the queue has nothing left (read() says EAGAIN): after
+        the qdisc's backlog reached 0, nothing more can arrive."""
+        r = self.cmd("empty")
+        assert r.get("result") == "empty", f"tunreader {self.label}: empty: {r}"
+        return r
 
     def quit(self) -> dict:
         if self.proc.poll() is not None:
