@@ -21,16 +21,17 @@ the generation.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 import subprocess
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .common import REPO, LabError, cache_dir, run, say, sha256_file
 from .fetch import fetch, upstream_version
-from .matrix import MATRIX_FILE, Flavor, Matrix, load
+from .matrix import MATRIX_FILE, Flavor, Matrix, Source, load
 
 PACKAGING = REPO / "packaging"
 DIST = REPO / "dist"
@@ -54,8 +55,20 @@ NOT_SHIPPED = ("Documentation/", "tools/", "MAINTAINERS")
 class DkmsSpec:
     name: str
     version: str
-    flavor: Flavor             # source + series (a pseudo-flavor, never built)
-    kernels: tuple[str, ...]   # exact `uname -r` values
+    lines: dict[str, Flavor]     # "6.12" -> its series (a pseudo-flavor, never built)
+    pregen: tuple[Source, ...]   # pristine sources pre-generated into the package
+
+    @property
+    def flavor(self) -> Flavor:
+        """A pseudo-flavor whose source is the first pre-generated one (what
+        `make test` fetches up front with the kernel flavors' sources)."""
+        fl = next(iter(self.lines.values()))
+        return replace(fl, source=self.pregen[0]) if self.pregen else fl
+
+    def series_hash(self) -> str:
+        """One hash over every line's series (names the generated tree)."""
+        return hashlib.sha256("".join(f"{k}={fl.series_hash()}\n"
+                                      for k, fl in sorted(self.lines.items())).encode()).hexdigest()
 
 
 def spec(mx: Matrix | None = None) -> DkmsSpec:
@@ -64,13 +77,30 @@ def spec(mx: Matrix | None = None) -> DkmsSpec:
     if not data:
         raise LabError(f"{MATRIX_FILE}: no [dkms] table")
     try:
-        src = mx.sources[data["source"]]
-        fl = Flavor(name="dkms", description="nodrop-dkms", source=src,
-                    series=(REPO / data["series"]).resolve(), fragments=(),
-                    localversion="")
-        kernels = tuple(data["kernels"])
-        sp = DkmsSpec(name=data["name"], version=str(data["version"]), flavor=fl,
-                      kernels=kernels)
+        series = data["series"]
+        if not isinstance(series, dict) or not series:
+            raise LabError(f"{MATRIX_FILE}: [dkms] series must be a table "
+                           '{ "X.Y" = "patches/.../series", ... }')
+        lines = {}
+        for line, path in series.items():
+            if not re.fullmatch(r"[0-9]+\.[0-9]+", line):
+                raise LabError(f"{MATRIX_FILE}: [dkms] series: {line!r} is not a kernel "
+                               "line X.Y")
+            src = mx.sources.get(f"linux-source-{line}")
+            if src is None:
+                raise LabError(f"{MATRIX_FILE}: [dkms] series {line}: no "
+                               f"[sources.\"linux-source-{line}\"]")
+            lines[line] = Flavor(name=f"dkms-{line}", description="nodrop-dkms", source=src,
+                                 series=(REPO / path).resolve(), fragments=(),
+                                 localversion="")
+        pregen = []
+        for name in data.get("pregenerated", []):
+            if name not in mx.sources:
+                raise LabError(f"{MATRIX_FILE}: [dkms] pregenerated: unknown source {name!r}; "
+                               f"valid: {', '.join(mx.sources)}")
+            pregen.append(mx.sources[name])
+        sp = DkmsSpec(name=data["name"], version=str(data["version"]), lines=lines,
+                      pregen=tuple(pregen))
     except KeyError as e:
         raise LabError(f"{MATRIX_FILE}: [dkms]: missing key {e}")
     if not re.fullmatch(r"[0-9][A-Za-z0-9.+~]*", sp.version):
@@ -79,17 +109,27 @@ def spec(mx: Matrix | None = None) -> DkmsSpec:
     return sp
 
 
-def _touched(patch: Path) -> list[str]:
+def _sections(patch: Path) -> tuple[str, list[tuple[str, str]]]:
+    """(mail header, [(path, the `diff --git` section of that file)])."""
+    text = patch.read_text(errors="replace")
+    parts = re.split(r"(?m)^(?=diff --git )", text)
     out = []
-    for ln in patch.read_text(errors="replace").splitlines():
-        m = re.match(r"^diff --git a/(\S+) b/(\S+)$", ln)
-        if m:
-            out += [m.group(1), m.group(2)]
-    return sorted(set(out))
+    for part in parts[1:]:
+        m = re.match(r"diff --git a/(\S+) b/(\S+)", part)
+        if not m or m.group(1) != m.group(2):
+            raise LabError(f"{patch.name}: cannot parse {part.splitlines()[0]!r} (renames and "
+                           "copies are not supported in a module package)")
+        part = re.split(r"(?m)^-- $", part)[0]       # format-patch's signature, last section
+        out.append((m.group(1), part))
+    return parts[0], out
+
+
+def _touched(patch: Path) -> list[str]:
+    return sorted({path for path, _ in _sections(patch)[1]})
 
 
 def out_dir(sp: DkmsSpec) -> Path:
-    return cache_dir() / "dkms" / f"{sp.name}-{sp.version}-{sp.flavor.series_hash()[:12]}"
+    return cache_dir() / "dkms" / f"{sp.name}-{sp.version}-{sp.series_hash()[:12]}"
 
 
 def _subst(text: str, values: dict[str, str]) -> str:
@@ -113,16 +153,9 @@ def _copy_templates(src: Path, dst: Path, values: dict[str, str]) -> None:
         t.chmod(f.stat().st_mode & 0o777)
 
 
-def generate(sp: DkmsSpec | None = None) -> Path:
-    """Write the DKMS source tree; returns the package dir (src/ inside)."""
-    sp = sp or spec()
-    fl = sp.flavor
-    pristine = fetch(fl.source)
-    upstream = upstream_version(pristine)
-    for k in sp.kernels:
-        if not k.startswith(upstream + "+") and not k.startswith(upstream + "-"):
-            raise LabError(f"{MATRIX_FILE}: [dkms] kernel {k} is not a {upstream} release "
-                           f"({fl.source.package} {fl.source.version} is {upstream})")
+def _module_series(line: str, fl: Flavor, dest: Path) -> tuple[list[Path], list[Path]]:
+    """Write the module-shippable part of fl's series to dest (patches with
+    only the SHIP files' sections, `series`, `sha256`); (shipped, left out)."""
     patches = fl.patches()
     if not patches:
         raise LabError(f"{fl.series}: empty series, nothing to package")
@@ -140,90 +173,94 @@ def generate(sp: DkmsSpec | None = None) -> Path:
                            "out); extend lab/nodroplab/dkms.py SHIP if this file "
                            "can be built as part of tun.ko/vhost_net.ko")
     for p in left_out:
-        say(f"dkms: leaving out {p.name} (changes {', '.join(core(p))}: needs a "
+        say(f"dkms: {line}: leaving out {p.name} (changes {', '.join(core(p))}: needs a "
             "kernel rebuild)")
+    dest.mkdir(parents=True)
+    names = []
+    for p in patches:
+        head, secs = _sections(p)
+        kept = [body for path, body in secs if path in SHIP]
+        if not kept:
+            continue                # documentation or selftests only
+        subject = next((ln for ln in head.splitlines() if ln.startswith("Subject:")), "")
+        # flat: 7.3's net/0001-... and net-next/0001-... keep their directory
+        shipped = str(p.relative_to(fl.series.parent)).replace("/", "_")
+        (dest / shipped).write_text(f"{subject}\n(module part of {p.name}: "
+                                    f"{', '.join(path for path, _ in secs if path in SHIP)})"
+                                    "\n\n" + "".join(kept))
+        names.append(shipped)
+    (dest / "series").write_text("\n".join(names) + "\n")
+    (dest / "sha256").write_text(fl.series_hash() + "\n")
+    return patches, left_out
+
+
+def _values(sp: DkmsSpec) -> dict[str, str]:
+    lines = sorted(sp.lines, key=lambda v: tuple(int(x) for x in v.split(".")))
+    return {"NAME": sp.name, "VERSION": sp.version, "LINES": " ".join(lines),
+            "LINES_TEXT": " and ".join(lines),
+            "KERNELS_RE": "^(" + "|".join(re.escape(v) for v in lines) + ")\\.",
+            "PREGEN": ", ".join(_pregen_versions(sp)) or "none"}
+
+
+def _pregen_versions(sp: DkmsSpec) -> list[str]:
+    return [upstream_version(fetch(s)) for s in sp.pregen]
+
+
+def generate(sp: DkmsSpec | None = None) -> Path:
+    """Write the DKMS source tree; returns the package dir (src/ inside)."""
+    sp = sp or spec()
     base = out_dir(sp)
     if base.exists():
         shutil.rmtree(base)
     pkg = base / f"{sp.name}-dkms-{sp.version}"     # dpkg-buildpackage writes to base
     tmp = base / "tmp"
-    stage = tmp / "kernel"                      # kernel layout, for git apply
-    for kpath in SHIP:
-        (stage / kpath).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(pristine / kpath, stage / kpath)
-    stock = {h: sha256_file(pristine / "include" / h) for h in REPLACED_HEADERS}
-    say(f"dkms: applying {len(patches)} patches of {fl.series.relative_to(REPO)} to "
-        f"{fl.source.package} {fl.source.version} ({', '.join(SHIP)})")
-    include = [f"--include={k}" for k in SHIP]
-    for p in patches:
-        r = subprocess.run(["git", "apply", "--verbose", *include, str(p)], cwd=stage,
+    src = tmp / "src"
+    src.mkdir(parents=True)
+    values = _values(sp)
+    _copy_templates(PACKAGING / "dkms", src, values)
+    lines = ["nodrop-dkms %s: generated by `make dkms` (lab/nodroplab/dkms.py)" % sp.version,
+             "At build time, nodrop-prepare takes the pristine files of exactly the",
+             "kernel's Linux version (linux-source-X.Y, or pregen/<version>/ below) and",
+             "applies series/X.Y/ (the module part of each patch, patch -F0).",
+             "files (kernel path -> here): "
+             + ", ".join(f"{k} -> {v}" for k, v in SHIP.items())]
+    for line, fl in sorted(sp.lines.items()):
+        shipped, left_out = _module_series(line, fl, src / "series" / line)
+        lines += [f"series {line}: {fl.series.relative_to(REPO)} sha256 {fl.series_hash()}"]
+        lines += [f"  {p.name} sha256 {sha256_file(p)}" for p in shipped]
+        lines += [f"  left out (needs a kernel rebuild): {p.name}" for p in left_out]
+    for s in sp.pregen:
+        tree = fetch(s)
+        up = upstream_version(tree)
+        line = ".".join(up.split(".")[:2])
+        if line not in sp.lines:
+            raise LabError(f"{MATRIX_FILE}: [dkms] pregenerated {s.name} is Linux {up}: no "
+                           f"series for {line} in [dkms] series")
+        out = src / "pregen" / up
+        say(f"dkms: pre-generating Linux {up} from {s.package} {s.version} + series {line}")
+        r = subprocess.run(["sh", str(src / "nodrop-prepare"), "--pregen", str(tree), str(out),
+                            f"{s.package} {s.version}"],
                            capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if r.returncode != 0:
-            err = [ln for ln in r.stderr.splitlines() if ln.startswith("error")]
-            raise LabError(f"dkms: {p.name} does not apply to pristine "
-                           f"{fl.source.version}: " + "; ".join(err[:4]))
-    src = tmp / "src"
-    for kpath, rel in SHIP.items():
-        (src / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(stage / kpath, src / rel)
-    shutil.rmtree(stage)
-
-    series_hash = fl.series_hash()
-    kernels = " ".join(sp.kernels)
-    values = {
-        "NAME": sp.name, "VERSION": sp.version, "UPSTREAM": upstream,
-        "KERNELS": kernels,
-        "KERNELS_RE": "^(" + "|".join(re.escape(k) for k in sp.kernels) + ")$",
-        "SERIES_MAJMIN": ".".join(upstream.split(".")[:2]),
-    }
-    _copy_templates(PACKAGING / "dkms", src, values)
-    mk = ["# generated by lab/nodroplab/dkms.py",
-          f"NODROP_UPSTREAM := {upstream}",
-          f"NODROP_KERNELS := {kernels}",
-          f"NODROP_HEADERS := {' '.join(REPLACED_HEADERS)}"]
-    mk += [f"NODROP_STOCK_SHA256_{h} := {s}" for h, s in stock.items()]
-    (src / "nodrop.mk").write_text("\n".join(mk) + "\n")
-    # Each module is built from a small wrapper that includes the generated
-    # file unchanged and adds a modinfo tag (modinfo -F nodrop tun) and a
-    # version newer than the stock one: dkms installs a module only if its
-    # modinfo version is newer than the kernel's (stock vhost_net: 0.0.1,
-    # stock tun: none).
-    tag = (f'MODULE_INFO(nodrop, "{sp.name}-dkms {sp.version} series {series_hash[:12]} '
-           f'on {fl.source.package} {fl.source.version}");\n')
-    head = "// SPDX-License-Identifier: GPL-2.0\n/* generated by lab/nodroplab/dkms.py */\n"
-    (src / "tun_nodrop.c").write_text(
-        head + '#include "tun.c"\n\n' + tag
-        + f'MODULE_VERSION("{sp.name}{sp.version}");\n')
-    (src / "vhost_net_nodrop.c").write_text(
-        head + "#include <linux/module.h>\n\n"
-        "/* net.c's MODULE_VERSION(\"0.0.1\") becomes 0.0.1+<name><version> */\n"
-        "#undef MODULE_VERSION\n"
-        f'#define MODULE_VERSION(v) MODULE_INFO(version, v "+{sp.name}{sp.version}")\n\n'
-        '#include "net.c"\n\n' + tag)
-    lines = [f"nodrop-dkms {sp.version}: generated by `make dkms` (lab/nodroplab/dkms.py)",
-             f"source: {fl.source.package} {fl.source.version} "
-             f"(.deb sha256 {fl.source.sha256}), Linux {upstream}",
-             f"series: {fl.series.relative_to(REPO)} sha256 {series_hash}"]
-    lines += [f"  {p.name} sha256 {sha256_file(p)}" for p in patches]
-    lines += [f"  left out (needs a kernel rebuild): {p.name}" for p in left_out]
-    lines += ["files (kernel path -> here, sha256 after the series):"]
-    lines += [f"  {k} -> {v} {sha256_file(src / v)}" for k, v in SHIP.items()]
-    lines += [f"stock headers replaced (sha256 of {upstream}'s, checked by Kbuild):"]
-    lines += [f"  include/{h} {s}" for h, s in stock.items()]
-    lines += [f"kernels: {kernels}"]
+            raise LabError(f"dkms: pre-generating {s.package} {s.version}: "
+                           + (r.stderr.strip() or f"exit {r.returncode}"))
+        lines += [f"pregen/{up}: {s.package} {s.version} (.deb sha256 {s.sha256})"]
+        lines += [f"  {v} {sha256_file(out / v)}" for v in SHIP.values()]
     (src / "SOURCES").write_text("\n".join(lines) + "\n")
-
     tmp.rename(pkg)
     say(f"dkms: source tree {pkg / 'src'}")
     return pkg
 
 
-def _changelog(sp: DkmsSpec, upstream: str) -> str:
+def _changelog(sp: DkmsSpec) -> str:
     date = subprocess.run(["date", "-R"], capture_output=True, text=True).stdout.strip()
+    series = ", ".join(f"{line} (sha256 {fl.series_hash()[:12]})"
+                       for line, fl in sorted(sp.lines.items()))
+    pregen = ", ".join(f"{s.package} {s.version}" for s in sp.pregen) or "none"
     return (f"{sp.name}-dkms ({sp.version}) unstable; urgency=medium\n\n"
-            f"  * Generated from {sp.flavor.source.package} {sp.flavor.source.version} and "
-            f"the NODROP series\n    (sha256 {sp.flavor.series_hash()[:12]}) for "
-            f"{', '.join(sp.kernels)}.\n\n"
+            f"  * The NODROP series {series}, applied at build time to the\n"
+            f"    pristine source of each kernel's exact Linux version; pre-generated\n"
+            f"    from {pregen}.\n\n"
             f" -- NODROP kernel <kernel@nodrop.invalid>  {date}\n")
 
 
@@ -231,28 +268,25 @@ def package(sp: DkmsSpec | None = None) -> Path:
     """Generate, add debian/, dpkg-buildpackage; returns the .deb (in dist/)."""
     sp = sp or spec()
     pkg = generate(sp)
-    upstream = upstream_version(fetch(sp.flavor.source))
-    values = {"NAME": sp.name, "VERSION": sp.version, "UPSTREAM": upstream,
-              "KERNELS": " ".join(sp.kernels),
-              "SERIES_MAJMIN": ".".join(upstream.split(".")[:2])}
+    values = _values(sp)
     _copy_templates(PACKAGING / "debian", pkg / "debian", values)
     _copy_templates(PACKAGING / "extra", pkg / "extra", values)
-    # dh_dkms installs debian/<package>.dkms as /usr/src/<name>-<version>/dkms.conf
-    shutil.move(pkg / "src" / "dkms.conf", pkg / "debian" / f"{sp.name}-dkms.dkms")
-    (pkg / "debian" / "changelog").write_text(_changelog(sp, upstream))
+    (pkg / "debian" / "changelog").write_text(_changelog(sp))
     log = pkg.parent / "build.log"
     say(f"dkms: dpkg-buildpackage (log: {log})")
     r = run(["dpkg-buildpackage", "--build=all", "-us", "-uc"], cwd=pkg, log=log,
             check=False, quiet=True)
     if r.returncode != 0:
         tail = log.read_text(errors="replace").splitlines()[-15:]
-        raise LabError("dpkg-buildpackage failed (needs debhelper and dh-dkms):"
+        raise LabError("dpkg-buildpackage failed (needs debhelper):"
                        "\n  " + "\n  ".join(tail))
     debs = sorted(pkg.parent.glob(f"{sp.name}-dkms_{sp.version}_all.deb"))
     if not debs:
         raise LabError(f"dpkg-buildpackage did not produce {sp.name}-dkms_{sp.version}_all.deb "
                        f"in {pkg.parent}")
     DIST.mkdir(exist_ok=True)
+    for old in DIST.glob(f"{sp.name}-dkms_*_all.deb*"):
+        old.unlink()                    # one package in dist/: the current one
     out = DIST / debs[0].name
     shutil.copy2(debs[0], out)
     listing = run(["dpkg-deb", "-c", str(out)], capture=True, quiet=True).stdout

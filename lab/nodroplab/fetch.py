@@ -26,15 +26,17 @@ def _ok_file(src: Source) -> Path:
     return src_tree(src).with_name(src_tree(src).name + ".ok")
 
 
-def _private_apt_opts(src: Source) -> list[str]:
-    base = cache_dir() / "apt" / safe(src.suite)
+def private_apt_opts(key: str, sources: str) -> list[str]:
+    """apt-get/apt-cache options for a private apt state under
+    $NODROP_CACHE/apt/<key> with `sources` as its sources.list (the host's
+    apt sources and package state are never used or touched)."""
+    base = cache_dir() / "apt" / safe(key)
     for d in ("etc/sources.list.d", "etc/preferences.d", "state/lists/partial",
               "cache/archives/partial"):
         (base / d).mkdir(parents=True, exist_ok=True)
     sl = base / "etc" / "sources.list"
-    want = f"deb [signed-by={src.keyring}] {src.mirror} {src.suite} {src.components}\n"
-    if not sl.exists() or sl.read_text() != want:
-        sl.write_text(want)
+    if not sl.exists() or sl.read_text() != sources:
+        sl.write_text(sources)
     return [
         "-o", f"Dir::Etc::SourceList={sl}",
         "-o", f"Dir::Etc::SourceParts={base}/etc/sources.list.d",
@@ -44,7 +46,13 @@ def _private_apt_opts(src: Source) -> list[str]:
         "-o", f"Dir::State::Lists={base}/state/lists",
         "-o", "Dir::State::status=/dev/null",
         "-o", f"Dir::Cache={base}/cache",
+        "-o", "APT::Sandbox::User=root", "-o", "APT::Architecture=amd64",
     ]
+
+
+def _private_apt_opts(src: Source) -> list[str]:
+    return private_apt_opts(src.suite, f"deb [signed-by={src.keyring}] {src.mirror} "
+                                       f"{src.suite} {src.components}\n")
 
 
 def _apt_download(src: Source, dest: Path) -> None:

@@ -34,12 +34,14 @@ import shlex
 import shutil
 import subprocess
 import time
+from dataclasses import replace
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from .common import REPO, TOOLS_OUT, LabChild, LabError, cache_dir, say, tail_lines
 from .dkms import spec
-from .rootfs import RootfsFlavor, chroot_sh, ensure_base, work_copy
+from .rootfs import (APT, RootfsFlavor, chroot_sh, ensure_base, resolve, target_release,
+                     work_copy)
 from .suite import _suite_result, passthrough_env, timeout_s
 from .vm import boot_and_run, report_failure
 
@@ -65,6 +67,8 @@ DEB_IN_ROOT = "/var/tmp"
 # limit) at load 13-14
 BOOT_TIMEOUT_S = 900
 PREPARED = "prepared.json"
+# RootfsFlavor fields resolve() fills in, kept in prepared.json for finish()
+RESOLVED = ("kernel", "kernel_version", "start_kernel", "start_version")
 PREPARE_LOG = "package-prepare.log"
 
 
@@ -168,8 +172,42 @@ def _boot(rf: RootfsFlavor, root: Path, rw: Path, paths: list[str], expect: str,
 
 # --- phase 1: prepare (no lab kernel needed) --------------------------------------
 
+def _one_line(out: str, kernel: str) -> list[str]:
+    """The package's lines about `kernel` ("nodrop-dkms: kernel K: ...")."""
+    return [ln for ln in out.splitlines() if ln.startswith(f"nodrop-dkms: kernel {kernel}:")]
+
+
+def _no_half_configured(root: Path, log: Path) -> None:
+    rc, out = _sh(root, "dpkg --audit", log)
+    _expect(rc == 0 and not out.strip(), "dpkg --audit: packages left half-configured", out)
+
+
+def _built_for(root: Path, rf: RootfsFlavor, kernel: str, origin: str, log: Path) -> str:
+    """dkms installed our modules for kernel, made from `origin`; returns the tag."""
+    name, version = spec().name, spec().version
+    rc, out = _sh(root, f"dkms status {name}", log)
+    _expect(f"{name}/{version}, {kernel}, x86_64: installed" in out,
+            f"dkms status does not show {name}/{version} installed for {kernel}", out)
+    got = _modinfo_origin(root, kernel, log)
+    for mod, fn in got.items():
+        _expect(fn.startswith(f"/lib/modules/{kernel}/updates/dkms/{mod}.ko"),
+                f"modinfo {mod}: {fn}, expected updates/dkms")
+    _, tag = _sh(root, f"modinfo -k {shlex.quote(kernel)} -F {name} tun", log)
+    tag = tag.strip()
+    up = kernel.split("+")[0].split("-")[0]
+    _expect(origin in tag and f"Linux {up}" in tag and f"series {rf.line} " in tag,
+            f"modinfo -F {name} tun: {tag!r}, expected series {rf.line}, {origin!r}, Linux {up}")
+    return tag
+
+
+def _origin(rf: RootfsFlavor, version: str) -> str:
+    """What the modules of a kernel of Debian version `version` must be made from."""
+    return f"linux-source-{rf.line} {version}" if rf.linux_source else "(pre-generated)"
+
+
 def prepare(rf: RootfsFlavor, rw: Path, deb: Path, work: Path) -> None:
-    """Base rootfs, work copy, install the .deb, host checks; state -> rw/prepared.json."""
+    """Resolve the kernel(s), base rootfs, work copy, install the .deb, host
+    checks (and the kernel upgrade of a journey); state -> rw/prepared.json."""
     rw.mkdir(parents=True, exist_ok=True)
     sp = spec()
     name, version = sp.name, sp.version
@@ -177,12 +215,16 @@ def prepare(rf: RootfsFlavor, rw: Path, deb: Path, work: Path) -> None:
     log = rw / "chroot.log"
     checks = Checks(f"{rf.name}.host")
     state = {"flavor": rf.name, "deb": str(deb), "root": str(work), "times": times,
-             "error": None, "checks": checks.cases}
+             "error": None, "checks": checks.cases, "built_from": {}}
 
     def save() -> None:
         (rw / PREPARED).write_text(json.dumps(state, indent=2) + "\n")
 
     try:
+        t0 = time.monotonic()
+        rf = resolve(rf)
+        times["resolve_kernel"] = round(time.monotonic() - t0, 1)
+        state["resolved"] = {k: getattr(rf, k) for k in RESOLVED}
         t0 = time.monotonic()
         base_ok = rf.base.with_name(rf.base.name + ".ok")
         cold = not base_ok.exists()
@@ -201,9 +243,10 @@ def prepare(rf: RootfsFlavor, rw: Path, deb: Path, work: Path) -> None:
         return
     shutil.copy2(deb, root / DEB_IN_ROOT.lstrip("/") / deb.name)
     in_root = f"{DEB_IN_ROOT}/{deb.name}"
+    first, first_version = rf.base_kernel
     # other kernels with headers (build is an absolute symlink into the root)
     others = sorted(p.name for p in (root / "lib/modules").iterdir()
-                    if p.name != rf.kernel and (p / "build").is_symlink())
+                    if p.name != first and (p / "build").is_symlink())
     state["other_kernel_headers"] = others
 
     def install():
@@ -212,30 +255,32 @@ def prepare(rf: RootfsFlavor, rw: Path, deb: Path, work: Path) -> None:
         times["apt_install_deb(dkms build)"] = round(time.monotonic() - t0, 1)
         _expect(rc == 0, f"apt-get install ./{deb.name}: exit {rc}", out)
         for o in others:
-            _expect(f"kernel {o} is not supported" in out,
-                    f"no 'not supported' note for the other kernel {o}", out)
+            _expect(len(_one_line(out, o)) == 1 and "no NODROP series" in out,
+                    f"no one-line note for the other kernel {o}", out)
+        _no_half_configured(root, log)
         return out
     checks.run("install_deb", install)
 
     def installed():
-        rc, out = _sh(root, f"dkms status {name}", log)
-        _expect(f"{name}/{version}, {rf.kernel}, x86_64: installed" in out,
-                f"dkms status does not show {name}/{version} installed for {rf.kernel}", out)
-        got = _modinfo_origin(root, rf.kernel, log)
-        for mod, fn in got.items():
-            _expect(fn.startswith(f"/lib/modules/{rf.kernel}/updates/dkms/{mod}.ko"),
-                    f"modinfo {mod}: {fn}, expected updates/dkms")
-        return out + json.dumps(got)
-    checks.run("dkms_installed_updates_dir", installed)
+        tag = _built_for(root, rf, first, _origin(rf, first_version), log)
+        state["built_from"][first] = tag
+        return tag
+    checks.run("dkms_installed_from_exact_source", installed)
 
-    def unsupported_make():
-        bad = rf.kernel.replace(".117", ".118", 1)
-        rc, out = _sh(root, f"make -C /usr/src/{name}-{version} KVER={shlex.quote(bad)}", log)
-        _expect(rc != 0, f"make KVER={bad} succeeded", out)
-        _expect("not supported" in out and all(k in out for k in sp.kernels),
-                "no clear 'not supported' message naming the supported kernels", out)
+    def never_another_version():
+        # a Linux version the package has no source for (the next sublevel
+        # before Debian publishes its linux-source): refused in one line,
+        # never built from another version's tun.c
+        fake = f"{rf.line}.999+lab-amd64"
+        rc, out = _sh(root, f"cd \"$(mktemp -d)\" && sh /usr/src/{name}-{version}/nodrop-prepare "
+                            f"{fake} /lib/modules/{shlex.quote(first)}/build", log)
+        _expect(rc != 0, f"nodrop-prepare {fake} succeeded", out)
+        lines = _one_line(out, fake)
+        _expect(len(lines) == 1 and f"Linux {rf.line}.999 needs its pristine source" in lines[0]
+                and f"apt install linux-source-{rf.line}=" in lines[0],
+                "no one-line refusal naming the Linux version and linux-source", out)
         return out
-    checks.run("unsupported_kernel_refused_make", unsupported_make)
+    checks.run("never_another_version", never_another_version)
 
     if others:
         def other_kernel_dkms():
@@ -248,6 +293,28 @@ def prepare(rf: RootfsFlavor, rw: Path, deb: Path, work: Path) -> None:
                     f"{o} got our modules: {got}")
             return out
         checks.run("other_kernel_skipped_dkms", other_kernel_dkms)
+
+    if rf.upgrade_from:
+        def upgrade():
+            # what `apt upgrade` does for a new kernel: image, headers and the
+            # (recommended) linux-source of the same version in one transaction;
+            # dkms builds in the kernel's postinst hooks (or the linux-source trigger)
+            k, v = rf.kernel, rf.kernel_version
+            pkgs = [f"linux-image-{k}={v}", f"linux-headers-{k}={v}"]
+            if rf.linux_source:
+                pkgs.append(f"linux-source-{rf.line}={v}")
+            t0 = time.monotonic()
+            rc, out = _sh(root, shlex.join([*APT, *target_release(rf), "install", *pkgs]), log)
+            times["apt_install_new_kernel(dkms build)"] = round(time.monotonic() - t0, 1)
+            _expect(rc == 0, f"apt-get install of {k}: exit {rc}", out)
+            _no_half_configured(root, log)
+            _expect(bool(_one_line(out, k)), f"no line from nodrop-dkms about {k}", out)
+            tag = _built_for(root, rf, k, _origin(rf, v), log)
+            state["built_from"][k] = tag
+            # the older kernel keeps its modules, built from its own source
+            _built_for(root, rf, first, _origin(rf, first_version), log)
+            return out + "\n" + tag
+        checks.run(f"upgrade_to_{rf.kernel}", upgrade)
     save()
 
 
@@ -255,18 +322,28 @@ def prepare(rf: RootfsFlavor, rw: Path, deb: Path, work: Path) -> None:
 
 def finish(rf: RootfsFlavor, rw: Path, selection: list[str]) -> dict:
     """The boot and the checks after it, from rw/prepared.json; one table row."""
-    row = {"flavor": rf.name, "kernel": rf.kernel, "passed": 0, "failed": 0, "skipped": 0,
-           "status": "ok", "notes": []}
     try:
         state = json.loads((rw / PREPARED).read_text())
     except (OSError, ValueError):
         state = {"error": f"preparation did not finish (log: {rw.parent / PREPARE_LOG})"}
+    if state.get("resolved"):
+        rf = replace(rf, **state["resolved"])
+    row = {"flavor": rf.name, "kernel": rf.kernel, "passed": 0, "failed": 0, "skipped": 0,
+           "status": "ok", "notes": []}
     sp = spec()
     name, version, pkg = sp.name, sp.version, f"{sp.name}-dkms"
-    meta = {"flavor": rf.name, "description": rf.description, "kernel": rf.kernel,
-            "kernel_version": rf.kernel_version, "suite": rf.suite, "deb": state.get("deb"),
-            "dkms": {"name": name, "version": version, "kernels": list(sp.kernels),
-                     "series_sha256": sp.flavor.series_hash()},
+    # the kernels resolved from the archive today: when Debian ships one the
+    # series no longer applies to, this names it
+    meta = {"flavor": rf.name, "description": rf.description, "suite": rf.suite,
+            "line": rf.line, "pocket": rf.pocket, "kernel": rf.kernel,
+            "kernel_version": rf.kernel_version,
+            "upgrade_from": ({"pocket": rf.upgrade_from, "kernel": rf.start_kernel,
+                              "kernel_version": rf.start_version} if rf.upgrade_from else None),
+            "linux_source": rf.linux_source, "deb": state.get("deb"),
+            "dkms": {"name": name, "version": version,
+                     "series_sha256": {k: fl.series_hash() for k, fl in sp.lines.items()},
+                     "pregenerated": [f"{s.package} {s.version}" for s in sp.pregen]},
+            "built_from": state.get("built_from"),
             "guest_selection": selection, "other_kernel_headers": state.get("other_kernel_headers")}
     if state.get("error"):
         row.update(status="rootfs failed", failed=1, notes=[state["error"].splitlines()[0]])
@@ -319,39 +396,92 @@ def finish(rf: RootfsFlavor, rw: Path, selection: list[str]) -> dict:
     if removed:
         timed_boot("removed", REMOVED, "stock")
 
-    # failure paths (chroot only; the stock modules must stay resolved)
-    def build_failure():
-        rc, out = _sh(root, f"dpkg --unpack {in_root} && "
-                            f"echo '#error nodrop lab: injected build failure' "
-                            f">> /usr/src/{name}-{version}/tun_nodrop.c && "
-                            f"dpkg --configure {pkg}", log)
-        _expect(rc != 0, "dpkg --configure succeeded with a broken source", out)
-        _expect("make.log" in out or "Bad return status" in out,
-                "no clear dkms build error (make.log pointer)", out)
+    # failure paths (chroot only): each must say so in ONE line naming the
+    # kernel, leave no package half-configured and the stock modules resolved
+    up = rf.kernel.split("+")[0].split("-")[0]
+    src_dir = f"/usr/src/{name}-{version}"
+
+    def stock_stays(what: str) -> None:
         got = _modinfo_origin(root, rf.kernel, log)
         _expect(all("/kernel/drivers/" in v for v in got.values()),
-                f"stock modules not in place after a failed build: {got}")
+                f"stock modules not in place {what}: {got}")
+
+    def purge() -> None:
         _sh(root, f"dpkg --purge --force-remove-reinstreq {pkg}; "
                   f"dkms remove {name}/{version} --all || true", log)
+
+    def build_failure():
+        # a compiler error (what a kernel API change would give)
+        broken = root / src_dir.lstrip("/") / "nodrop-lab-broken.h"
+        rc, out = _sh(root, f"dpkg --unpack {in_root}", log)
+        _expect(rc == 0, f"dpkg --unpack: exit {rc}", out)
+        broken.write_text("#error nodrop lab: injected build failure\n")
+        with open(broken.with_name("Kbuild"), "a") as f:
+            f.write("ccflags-y += -include $(src)/nodrop-lab-broken.h\n")
+        rc, out = _sh(root, f"dpkg --configure {pkg}", log)
+        try:
+            _expect(rc == 0, f"dpkg --configure {pkg} failed (exit {rc}): a build error must "
+                             "not leave apt half-configured", out)
+            _no_half_configured(root, log)
+            lines = _one_line(out, rf.kernel)
+            _expect(len(lines) == 1 and "build failed" in lines[0] and "make.log" in lines[0],
+                    f"expected one line for {rf.kernel} with the make.log pointer", out)
+            stock_stays("after a failed build")
+        finally:
+            purge()
+        return out
+
+    def series_or_source_missing():
+        # a sublevel the series no longer applies to (a context line of its
+        # first patch changed), or, without linux-source, no source of the
+        # kernel's version (the pre-generated files removed)
+        d = root / src_dir.lstrip("/")
+        rc, out = _sh(root, f"dpkg --unpack {in_root}", log)
+        _expect(rc == 0, f"dpkg --unpack: exit {rc}", out)
+        first = (d / "series" / rf.line / "series").read_text().split()[0]
+        pf = d / "series" / rf.line / first
+        lines = pf.read_text().splitlines(keepends=True)
+        i = next(i for i, ln in enumerate(lines) if ln.startswith("@@"))
+        j = next(j for j in range(i + 1, len(lines)) if lines[j].startswith(" "))
+        lines[j] = " nodrop lab: a context line this Linux version does not have\n"
+        pf.write_text("".join(lines))
+        shutil.rmtree(d / "pregen", ignore_errors=True)
+        rc, out = _sh(root, f"dpkg --configure {pkg}", log)
+        try:
+            _expect(rc == 0, f"dpkg --configure {pkg} failed (exit {rc}): must not leave apt "
+                             "half-configured", out)
+            _no_half_configured(root, log)
+            got = _one_line(out, rf.kernel)
+            if rf.linux_source:
+                want = f"patch {first} of the {rf.line} series does not apply to Linux {up}"
+            else:
+                want = (f"Linux {up} needs its pristine source, /usr/src/linux-source-{rf.line}"
+                        f".tar.xz is missing: apt install linux-source-{rf.line}="
+                        f"{rf.kernel_version}")
+            _expect(len(got) == 1 and want in got[0], f"expected one line: {want!r}", out)
+            stock_stays("when the series does not apply" if rf.linux_source
+                        else "without the source")
+        finally:
+            purge()
         return out
 
     def missing_headers():
         rc, out = _sh(root, f"apt-get remove -y -q linux-headers-{kq} && "
                             f"apt-get install -y -q --no-install-recommends {in_root}", log)
         _expect(rc == 0, f"install without headers: exit {rc} (must install, not build)", out)
-        _expect("headers" in out.lower(), "no message about the missing headers", out)
+        _no_half_configured(root, log)
+        got = _one_line(out, rf.kernel)
+        _expect(len(got) == 1 and f"apt install linux-headers-{rf.kernel}" in got[0],
+                "no one line naming the headers package", out)
         rc, st = _sh(root, f"dkms status {name}", log)
         _expect("installed" not in st, f"dkms status claims installed without headers: {st}")
-        rc, mk = _sh(root, f"make -C /usr/src/{name}-{version} KVER={kq}", log)
-        _expect(rc != 0 and f"apt install linux-headers-{rf.kernel}" in mk,
-                "make without headers: no message naming the headers package", mk)
-        got = _modinfo_origin(root, rf.kernel, log)
-        _expect(all("/kernel/drivers/" in v for v in got.values()),
-                f"stock modules not in place without headers: {got}")
-        return out + mk
+        stock_stays("without headers")
+        return out
     if removed:
         t0 = time.monotonic()
         checks.run("dkms_build_failure_keeps_stock", build_failure)
+        checks.run("series_does_not_apply_keeps_stock" if rf.linux_source
+                   else "no_source_keeps_stock", series_or_source_missing)
         checks.run("missing_headers_keeps_stock", missing_headers)
         times["failure_paths"] = round(time.monotonic() - t0, 1)
 

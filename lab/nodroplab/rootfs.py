@@ -1,13 +1,23 @@
-"""Root-filesystem flavors (`debian-12`, `debian-13`): Debian as a user has it.
+"""Root-filesystem flavors (`debian-12`, `debian-13`, ...): Debian as a user has it.
 
-A root-filesystem flavor is a Debian release ([rootfs.<name>] in
-lab/flavors.toml) and Debian's own 6.12 kernel package. The lab makes, once,
-a base root filesystem under $NODROP_CACHE/rootfs/<name>-<spechash12>/:
+A root-filesystem flavor ([rootfs.<name>] in lab/flavors.toml) is a Debian
+release and a kernel line of one pocket: `line = "6.12"`, `pocket =
+"trixie-security"` means the newest linux-image-6.12.*-amd64 published in
+trixie-security. The version is resolved from the archive when the lab
+prepares the flavor (resolve(): a private apt state per suite, nothing on
+the host), so a row names the kernel Debian ships that day, and recorded in
+the row's meta.json. `upgrade_from = "<pocket>"`: the upgrade journey, the
+root starts on the newest kernel of that pocket older than the target, and
+pkgtest installs the target kernel into it as `apt upgrade` would.
+
+The lab makes, once per resolved kernel, a base root filesystem under
+$NODROP_CACHE/rootfs/<name>-<spechash12>/:
 
   debootstrap --variant=minbase <suite>    (package cache: rootfs/debs/<suite>/)
-  sources.list: <suite>, <suite>-updates, <suite>-security
+  sources.list: <suite>, <suite>-updates, <suite>-security (+ -backports)
   apt-get install linux-image-<kernel>=<version> linux-headers-<kernel>=<version>
-                  dkms + what the guest suite runs (python3, pytest, iproute2, ...)
+                  [linux-source-<line>=<version>] dkms + what the guest suite
+                  runs (python3, pytest, iproute2, ...)
 
 Every run works on a copy of it (`cp -a --reflink=auto`, udev's driver
 autoloading masked: UDEV_DRIVERS_RULE), where apt inside
@@ -25,12 +35,13 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import re
 import shlex
 import shutil
 import subprocess
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .common import LabError, cache_dir, run, say
@@ -47,6 +58,9 @@ DEBIAN_MIRROR = "http://deb.debian.org/debian"   # a [rootfs.*] flavor's default
 POLICY_RC = "#!/bin/sh\n# nodrop lab: never start services in this chroot\nexit 101\n"
 
 
+KERNEL_RE = r"linux-image-({line}\.[0-9]+)\+([a-z0-9]+)-amd64"   # Debian's amd64 flavour
+
+
 @dataclass(frozen=True)
 class RootfsFlavor:
     name: str
@@ -54,16 +68,41 @@ class RootfsFlavor:
     suite: str
     mirror: str
     security_mirror: str
-    kernel: str                 # `uname -r`, e.g. 6.12.117+deb12-amd64
-    kernel_version: str         # Debian version of linux-image-<kernel>
+    line: str                   # kernel line, "6.12" / "7.3"
+    pocket: str                 # where the target kernel is the newest of its line
+    upgrade_from: str | None    # journey: start on the newest older kernel of this pocket
+    linux_source: bool          # install linux-source-<line> (the package recommends it)
     packages: tuple[str, ...]   # extra packages of this flavor
     mismatch_headers: str | None  # headers of another kernel, for the mismatch test
+    # resolved from the archive by resolve() (placeholders until then)
+    kernel: str = ""            # `uname -r` of the target kernel, e.g. 6.12.118+deb13-amd64
+    kernel_version: str = ""    # Debian version of linux-image-<kernel>
+    start_kernel: str = ""      # journey: the kernel the root starts with
+    start_version: str = ""
+
+    @property
+    def resolved(self) -> bool:
+        return bool(self.kernel_version) and not self.kernel_version.startswith("newest")
+
+    @property
+    def base_kernel(self) -> tuple[str, str]:
+        """The kernel the base root filesystem is made with."""
+        return ((self.start_kernel, self.start_version) if self.upgrade_from
+                else (self.kernel, self.kernel_version))
+
+    @property
+    def backports(self) -> bool:
+        return any(p and p.endswith("-backports") for p in (self.pocket, self.upgrade_from))
 
     def spec_hash(self) -> str:
+        if not self.resolved:
+            raise LabError(f"{self.name}: kernel not resolved from the archive yet")
+        k, v = self.base_kernel
         h = hashlib.sha256()
-        h.update(json.dumps([self.suite, self.mirror, self.security_mirror, self.kernel,
-                             self.kernel_version, list(self.packages), GUEST_PACKAGES,
-                             self.mismatch_headers, "minbase", 1]).encode())
+        h.update(json.dumps([self.suite, self.mirror, self.security_mirror, k, v,
+                             self.line, self.linux_source, self.backports,
+                             list(self.packages), GUEST_PACKAGES,
+                             self.mismatch_headers, "minbase", 2]).encode())
         return h.hexdigest()
 
     @property
@@ -74,21 +113,105 @@ class RootfsFlavor:
     def vmlinuz(self) -> str:
         return f"/boot/vmlinuz-{self.kernel}"
 
+    def sources_list(self) -> str:
+        out = (f"deb {self.mirror} {self.suite} main\n"
+               f"deb {self.mirror} {self.suite}-updates main\n"
+               f"deb {self.security_mirror} {self.suite}-security main\n")
+        if self.backports:
+            out += f"deb {self.mirror} {self.suite}-backports main\n"
+        return out
+
 
 def load_rootfs() -> dict[str, RootfsFlavor]:
     data = tomllib.loads(MATRIX_FILE.read_text())
     out = {}
     for name, r in data.get("rootfs", {}).items():
         try:
+            line, pocket = str(r["line"]), r["pocket"]
             out[name] = RootfsFlavor(
                 name=name, description=r.get("description", ""), suite=r["suite"],
                 mirror=r.get("mirror", DEBIAN_MIRROR),
                 security_mirror=r.get("security_mirror", "http://deb.debian.org/debian-security"),
-                kernel=r["kernel"], kernel_version=r["kernel_version"],
+                line=line, pocket=pocket, upgrade_from=r.get("upgrade_from"),
+                linux_source=bool(r.get("linux_source", True)),
                 packages=tuple(r.get("packages", [])),
-                mismatch_headers=r.get("mismatch_headers"))
+                mismatch_headers=r.get("mismatch_headers"),
+                kernel=f"{line}.y", kernel_version=f"newest in {pocket}")
         except KeyError as e:
             raise LabError(f"{MATRIX_FILE}: rootfs {name}: missing key {e}")
+        for p in (pocket, r.get("upgrade_from")):
+            if p is not None and not (p == r["suite"] or p.startswith(r["suite"] + "-")):
+                raise LabError(f"{MATRIX_FILE}: rootfs {name}: pocket {p!r} is not one of "
+                               f"suite {r['suite']!r}'s")
+        if not re.fullmatch(r"[0-9]+\.[0-9]+", line):
+            raise LabError(f"{MATRIX_FILE}: rootfs {name}: line {line!r} is not X.Y")
+    return out
+
+
+# --- the kernel of a pocket, from the archive ----------------------------------------
+
+def _apt(argv: list[str], opts: list[str], what: str) -> str:
+    r = subprocess.run([argv[0], *opts, *argv[1:]], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        err = [ln for ln in (r.stderr + r.stdout).splitlines()
+               if ln.startswith(("E:", "W:", "Err"))]
+        raise LabError(f"{what}: {' '.join(argv[:2])} failed (exit {r.returncode}; Debian "
+                       f"registry): " + ("; ".join(err[:3]) or r.stderr.strip()[-300:]))
+    return r.stdout
+
+
+def _newest(rows: list[tuple[str, str]]) -> tuple[str, str] | None:
+    best = None
+    for name, ver in rows:
+        if best is None or subprocess.run(["dpkg", "--compare-versions", ver, "gt", best[1]]
+                                          ).returncode == 0:
+            best = (name, ver)
+    return best
+
+
+def resolve(rf: RootfsFlavor) -> RootfsFlavor:
+    """rf with its kernel(s) resolved from the archive: the newest
+    linux-image-<line>.N+<abi>-amd64 published in rf.pocket (and, for the
+    journey, the newest older one in rf.upgrade_from)."""
+    if rf.resolved:
+        return rf
+    from .fetch import private_apt_opts
+    keyring = "/usr/share/keyrings/debian-archive-keyring.gpg"
+    lst = "".join(f"deb [signed-by={keyring}] {ln[4:]}\n"
+                  for ln in rf.sources_list().splitlines())
+    opts = private_apt_opts(f"rootfs-{rf.suite}{'-bpo' if rf.backports else ''}", lst)
+    what = f"{rf.name}: resolving the newest {rf.line} kernel of {rf.pocket}"
+    _apt(["apt-get", "-q", "update"], opts, what)
+    pat = re.compile(KERNEL_RE.format(line=re.escape(rf.line)))
+    names = [n for n in _apt(["apt-cache", "pkgnames", f"linux-image-{rf.line}."], opts,
+                             what).split() if pat.fullmatch(n)]
+    if not names:
+        raise LabError(f"{what}: no linux-image-{rf.line}.*-amd64 in {rf.suite}'s pockets")
+    rows: dict[str, list[tuple[str, str]]] = {}
+    for ln in _apt(["apt-cache", "madison", *names], opts, what).splitlines():
+        parts = [x.strip() for x in ln.split("|")]
+        if len(parts) < 3 or not parts[2].endswith(" Packages"):
+            continue
+        pocket = parts[2].split()[1].split("/")[0]      # "<url> trixie-security/main amd64 Packages"
+        rows.setdefault(pocket, []).append((parts[0][len("linux-image-"):], parts[1]))
+    target = _newest(rows.get(rf.pocket, []))
+    if target is None:
+        raise LabError(f"{what}: no linux-image-{rf.line}.*-amd64 in {rf.pocket} (pockets with "
+                       f"one: {', '.join(sorted(rows)) or 'none'})")
+    out = replace(rf, kernel=target[0], kernel_version=target[1])
+    if rf.upgrade_from:
+        older = [(k, v) for k, v in rows.get(rf.upgrade_from, [])
+                 if subprocess.run(["dpkg", "--compare-versions", v, "lt", target[1]]
+                                   ).returncode == 0 and k != target[0]]
+        start = _newest(older)
+        if start is None:
+            raise LabError(f"{rf.name}: no {rf.line} kernel in {rf.upgrade_from} older than "
+                           f"{target[0]} {target[1]}: nothing to upgrade from")
+        out = replace(out, start_kernel=start[0], start_version=start[1])
+    say(f"{rf.name}: {rf.pocket}'s newest {rf.line} kernel is {out.kernel} {out.kernel_version}"
+        + (f"; the root starts on {out.start_kernel} {out.start_version} ({rf.upgrade_from})"
+           if rf.upgrade_from else ""))
     return out
 
 
@@ -122,6 +245,11 @@ def chroot_sh(root: Path, script: str, **kw) -> subprocess.CompletedProcess:
 
 APT = ["apt-get", "-y", "-q", "-o", "Dpkg::Use-Pty=0", "-o", "APT::Color=0",
        "--no-install-recommends"]
+
+
+def target_release(rf: RootfsFlavor) -> list[str]:
+    """A backports kernel is installed as Debian says: apt-get -t <suite>-backports."""
+    return ["-t", rf.pocket] if rf.pocket.endswith("-backports") else []
 
 
 # --- base root filesystem --------------------------------------------------------
@@ -174,10 +302,7 @@ def _build_base(rf: RootfsFlavor, base: Path) -> dict:
     debs = debootstrap(rf.name, rf.suite, tmp, rf.mirror, log)
     times["debootstrap"] = round(time.monotonic() - t0, 1)
 
-    (tmp / "etc/apt/sources.list").write_text(
-        f"deb {rf.mirror} {rf.suite} main\n"
-        f"deb {rf.mirror} {rf.suite}-updates main\n"
-        f"deb {rf.security_mirror} {rf.suite}-security main\n")
+    (tmp / "etc/apt/sources.list").write_text(rf.sources_list())
     prc = tmp / "usr/sbin/policy-rc.d"
     prc.write_text(POLICY_RC)
     prc.chmod(0o755)
@@ -186,26 +311,28 @@ def _build_base(rf: RootfsFlavor, base: Path) -> dict:
         'APT::Keep-Downloaded-Packages "true";\nAcquire::Retries "3";\n')
     t0 = time.monotonic()
     _with_debs(tmp, debs, ["apt-get", "-q", "update"], log)
-    pkgs = [f"linux-image-{rf.kernel}={rf.kernel_version}",
-            f"linux-headers-{rf.kernel}={rf.kernel_version}", "dkms",
+    kernel, kver = rf.base_kernel
+    pkgs = [f"linux-image-{kernel}={kver}", f"linux-headers-{kernel}={kver}", "dkms",
             *GUEST_PACKAGES, *rf.packages]
+    if rf.linux_source:                 # what the package recommends, of this kernel's version
+        pkgs.append(f"linux-source-{rf.line}={kver}")
     if rf.mismatch_headers:
         pkgs.append(rf.mismatch_headers)
-    r = _with_debs(tmp, debs, [*APT, "install", *pkgs], log, check=False)
+    r = _with_debs(tmp, debs, [*APT, *target_release(rf), "install", *pkgs], log, check=False)
     if r.returncode != 0:
         lines = log.read_text(errors="replace").splitlines()
         err = [ln for ln in lines if ln.startswith(("E:", "W:"))][-4:] or lines[-8:]
-        avail = chroot(tmp, ["apt-cache", "madison", f"linux-image-{rf.kernel}"],
+        avail = chroot(tmp, ["apt-cache", "madison", f"linux-image-{kernel}"],
                        capture=True, check=False, quiet=True).stdout.strip()
         raise LabError(f"{rf.name}: apt-get install in the chroot failed (Debian registry "
-                       f"{rf.mirror}, {rf.suite}-security): " + "; ".join(err)
-                       + (f"\n  linux-image-{rf.kernel} available: {avail}" if avail
-                          else f"\n  no linux-image-{rf.kernel} in {rf.suite}/-updates/-security")
+                       f"{rf.mirror}, {rf.pocket}): " + "; ".join(err)
+                       + (f"\n  linux-image-{kernel} available: {avail}" if avail
+                          else f"\n  no linux-image-{kernel} in {rf.suite}'s pockets")
                        + f"\n  (log: {log})")
     times["apt_install"] = round(time.monotonic() - t0, 1)
-    if not (tmp / rf.vmlinuz.lstrip("/")).is_file():
-        raise LabError(f"{rf.name}: {rf.vmlinuz} missing after installing "
-                       f"linux-image-{rf.kernel}")
+    if not (tmp / f"boot/vmlinuz-{kernel}").is_file():
+        raise LabError(f"{rf.name}: /boot/vmlinuz-{kernel} missing after installing "
+                       f"linux-image-{kernel}")
     # the guest runs as root from this tree; vng needs mount points for its shares
     chroot(tmp, ["apt-get", "clean"], log=log, quiet=True)
     tmp.rename(base)

@@ -5,7 +5,9 @@ before the guest suite, with NODROP_EXPECT telling what the root filesystem
 holds:
 
   package  nodrop-dkms installed: tun and vhost_net are loaded from
-           /lib/modules/<kernel>/updates/dkms, carry the nodrop modinfo tag,
+           /lib/modules/<kernel>/updates/dkms, carry the nodrop modinfo tag
+           and a version naming this kernel's Linux version (the source
+           they were made from) and the series,
            TUNGETFEATURES reports IFF_BACKPRESSURE, the ethtool switch is
            there and off by default, and the example udev rule turns it on
            (with fq_codel) for a new tun device once it is enabled.
@@ -70,8 +72,12 @@ def test_module_origin(mod):
     if EXPECT == "package":
         assert fn.startswith(f"/lib/modules/{kver}/updates/dkms/{mod}.ko"), fn
         assert tag.startswith(f"{NAME}-dkms "), f"no {NAME} modinfo tag in {fn}"
-        # the module in memory is ours, not an in-tree one loaded earlier
-        assert ver and ver.endswith(f"{NAME}{os.environ.get('NODROP_DKMS_VERSION', '')}"), ver
+        # the module in memory is ours, not an in-tree one loaded earlier,
+        # and says which Linux version it was made from: this kernel's
+        up = kver.split("+")[0].split("-")[0]
+        want = f"{NAME}{os.environ.get('NODROP_DKMS_VERSION', '')}+{up}+s"
+        assert ver and want in ver, f"/sys/module/{mod}/version {ver!r}, expected {want}..."
+        assert f"Linux {up}" in tag and " series " in tag, tag
     else:
         assert fn.startswith(f"/lib/modules/{kver}/kernel/drivers/"), fn
         assert not tag, f"stock expected, {fn} has {NAME} tag {tag!r}"
