@@ -408,7 +408,7 @@ def finish(rf: RootfsFlavor, rw: Path, selection: list[str]) -> dict:
 
     def purge() -> None:
         _sh(root, f"dpkg --purge --force-remove-reinstreq {pkg}; "
-                  f"dkms remove {name}/{version} --all || true", log)
+                  f"dkms remove {name}/{version} --all; rm -rf {src_dir}", log)
 
     def build_failure():
         # a compiler error (what a kernel API change would give)
