@@ -1,25 +1,32 @@
 """The nodrop-dkms package end to end on Debian's own kernels: `make test`
 (quick selection) and `make test-package` (whole files).
 
-Per root-filesystem flavor (lab/nodroplab/rootfs.py; debian-12, debian-13),
-in two phases so that the first can overlap the kernel builds:
+Per root-filesystem flavor (lab/nodroplab/rootfs.py: debian-12, debian-13,
+debian-12-bpo, debian-13-bpo), in two phases so that the first can overlap
+the kernel builds:
 
   prepare (no lab kernel needed: network, disk, dkms in a chroot; a
   background process of its own, `python -m nodroplab package-prepare`,
   output in <results>/package-prepare.log):
-    the .deb (make package), the cached base rootfs (debootstrap + apt),
-    a throw-away copy of it, `apt-get install ./nodrop-dkms_*.deb` in the
-    chroot as a user would (dkms builds tun + vhost_net); host checks: dkms
-    status, modinfo, other kernels skipped, unsupported kernel refused
-    naming the supported ones. State in <results>/<flavor>/prepared.json.
+    the .deb (make package); the flavor's kernel resolved from the archive
+    (the newest of its line in its pocket); the cached base rootfs
+    (debootstrap + apt); a throw-away copy of it; `apt-get install
+    ./nodrop-dkms_*.deb` in the chroot as a user would (dkms builds tun +
+    vhost_net); host checks: dkms status, modinfo (updates/dkms, made from
+    the source of exactly that kernel's version), kernels of other lines
+    skipped in one line, a Linux version without its source refused in one
+    line. The upgrade journey (upgrade_from) then installs the newer kernel,
+    its headers and linux-source as apt upgrade would, and checks that dkms
+    built for it from its own source. State in <results>/<flavor>/prepared.json.
   boots (after the kernel flavors' rows): Debian's /boot/vmlinuz-<kernel>
   with that copy as its root (vng --root): tests/package
   (NODROP_EXPECT=package) and the guest selection, in one pytest run;
   `apt-get remove nodrop-dkms` in the chroot (checks: modules gone, stock
   ones resolved); boot again: tests/package (NODROP_EXPECT=stock) and the
   burst test (stock: 975 of 1000 dropped); then, in the chroot, a dkms
-  build failure and missing headers each fail with a clear message and
-  leave the stock modules in place.
+  build error, a series that does not apply (or, without linux-source, no
+  source of the kernel's version) and missing headers: each one line
+  naming the kernel, dpkg --audit clean, the stock modules in place.
 
 Host-side checks are written as junit (junit-host.xml) so they count in the
 table like the guest tests.
