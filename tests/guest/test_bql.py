@@ -65,7 +65,7 @@ test_bql_off_giveback_stops: with BQL off, a give-back that brings the ring
     to its stop level stops the queue (v3-v8: only with BQL on).
 test_bql_noqueue_giveback: with a noqueue root, vhost-net's give-back
     accounts nothing, and the datagrams sent after it all reach the ring
-    (6.12 v11 and the 7.3 series before session 19: the give-back
+    (6.12 v11 and the 7.3 series before its net-next 4/5 fix: the give-back
     accounted them, BQL stopped the queue and the core dropped them).
 
 After every drain (the ring empty), what is still in flight is what the
