@@ -11,6 +11,9 @@
 #   make fuzz FLAVOR=seed-v1-6.12 DURATION=3600
 #                                  syzkaller on a fuzz flavor (docs/fuzz.md);
 #                                  make fuzz-smoke: 2 min, fails unless programs ran
+#   make mutants [MUTANTS="no-stop ..."]
+#                                  break the series on purpose (tests/mutants/),
+#                                  check the guarding tests fail; not in make test
 #   make tools | deps | fetch | flavors | kvm
 #   make dkms | package            nodrop-dkms source tree / .deb in dist/ (docs/dkms.md)
 #   make test-package              the .deb end to end on Debian 12 and 13 (FLAVORS=debian-12)
@@ -18,7 +21,7 @@
 PYTHON ?= python3
 LAB = PYTHONPATH=$(CURDIR)/lab PYTHONDONTWRITEBYTECODE=1 $(PYTHON) -m nodroplab
 
-.PHONY: test test-package chaos bench kernel run fuzz fuzz-smoke tools deps fetch flavors kvm dkms package help
+.PHONY: test test-package chaos bench mutants kernel run fuzz fuzz-smoke tools deps fetch flavors kvm dkms package help
 
 # $(call sq,VAR): VAR's unexpanded text as one single-quoted shell word, so
 # CMD='ip -s link show; echo $$HOME' reaches the guest shell untouched.
@@ -35,6 +38,9 @@ chaos:
 
 bench:
 	@$(LAB) bench $(FLAVORS)
+
+mutants:
+	@$(LAB) mutants $(MUTANTS)
 
 kernel:
 	@test -n '$(FLAVOR)' || { echo "usage: make kernel FLAVOR=<flavor>  (make flavors lists them)" >&2; exit 2; }
@@ -55,4 +61,4 @@ tools deps fetch flavors kvm dkms package:
 	@$(LAB) $@
 
 help:
-	@sed -n '1,17p' Makefile
+	@sed -n '1,20p' Makefile

@@ -67,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("chaos", help="build, boot each debug flavor and run the chaos round "
                                      "(DURATION seconds, SEED)")
     p.add_argument("flavors", nargs="*")
+    p = sub.add_parser("mutants", help="build each source mutant of the series "
+                                       "(tests/mutants/), run the tests that guard it; "
+                                       "fails on a survivor")
+    p.add_argument("names", nargs="*", help="only these mutants")
     p = sub.add_parser("bench", help="build, boot each flavor, print the kernel matrix "
                                      "(runs bench/run in the guest if it exists)")
     p.add_argument("flavors", nargs="*")
@@ -196,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         deps_mod.deps()
         fetch_all(list({f.source.name: f.source for f in fls}.values()))
         return cmd_chaos(fls)
+    if a.cmd == "mutants":
+        from .mutants import cmd_mutants
+        deps_mod.deps()
+        return cmd_mutants(mx, a.names)
     if a.cmd == "bench":
         fls = _flavors(mx, a.flavors, mx.bench_default)
         deps_mod.deps()
