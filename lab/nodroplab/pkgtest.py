@@ -480,8 +480,9 @@ def finish(rf: RootfsFlavor, rw: Path, selection: list[str]) -> dict:
         got = _one_line(out, rf.kernel)
         _expect(len(got) == 1 and f"apt install linux-headers-{rf.kernel}" in got[0],
                 "no one line naming the headers package", out)
-        rc, st = _sh(root, f"dkms status {name}", log)
-        _expect("installed" not in st, f"dkms status claims installed without headers: {st}")
+        rc, st = _sh(root, f"dkms status {name} -k {kq}", log)
+        _expect(f"{rf.kernel}, x86_64: installed" not in st,
+                f"dkms status claims installed for {rf.kernel} without headers: {st}")
         stock_stays("without headers")
         return out
     if removed:
