@@ -44,6 +44,7 @@ SHIP = {
     "include/linux/ptr_ring.h": "include/linux/ptr_ring.h",
     "include/linux/if_tun.h": "include/linux/if_tun.h",
     "include/uapi/linux/if_tun.h": "include/uapi/linux/if_tun.h",
+    "drivers/net/tun_vnet.h": "tun_vnet.h",            # 7.3's tun.c includes it; not in 6.12
 }
 # headers of linux-headers-* that our patched copies replace (checked in Kbuild)
 REPLACED_HEADERS = ("linux/ptr_ring.h", "linux/if_tun.h", "uapi/linux/if_tun.h")
@@ -245,7 +246,7 @@ def generate(sp: DkmsSpec | None = None) -> Path:
             raise LabError(f"dkms: pre-generating {s.package} {s.version}: "
                            + (r.stderr.strip() or f"exit {r.returncode}"))
         lines += [f"pregen/{up}: {s.package} {s.version} (.deb sha256 {s.sha256})"]
-        lines += [f"  {v} {sha256_file(out / v)}" for v in SHIP.values()]
+        lines += [f"  {v} {sha256_file(out / v)}" for v in SHIP.values() if (out / v).exists()]
     (src / "SOURCES").write_text("\n".join(lines) + "\n")
     tmp.rename(pkg)
     say(f"dkms: source tree {pkg / 'src'}")
