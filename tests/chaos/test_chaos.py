@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import chaos
+from tunlib import lacks
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,8 @@ def test_run_completed(res):
 def test_no_ring_drops_with_backpressure_and_qdisc(res):
     w = res.get("windows", {})
     if not res.get("bp_supported"):
-        pytest.skip(f"no IFF_BACKPRESSURE: {w.get('unprotected_drops')} drops, none protected")
+        lacks("backpressure", f"no IFF_BACKPRESSURE: {w.get('unprotected_drops')} drops, "
+              "none protected")
     assert w.get("protected", 0) > 0, "no steady window had backpressure and a qdisc"
     assert w["protected_drops"] == 0, \
         f"seed {res['seed']}: ring drops in protected windows: {w['bad_windows'][:5]}"
