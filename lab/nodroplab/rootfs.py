@@ -102,7 +102,7 @@ class RootfsFlavor:
         h.update(json.dumps([self.suite, self.mirror, self.security_mirror, k, v,
                              self.line, self.linux_source, self.backports,
                              list(self.packages), GUEST_PACKAGES,
-                             self.mismatch_headers, "minbase", 2]).encode())
+                             self.mismatch_headers, "minbase", 3]).encode())
         return h.hexdigest()
 
     @property
@@ -312,13 +312,19 @@ def _build_base(rf: RootfsFlavor, base: Path) -> dict:
     t0 = time.monotonic()
     _with_debs(tmp, debs, ["apt-get", "-q", "update"], log)
     kernel, kver = rf.base_kernel
-    pkgs = [f"linux-image-{kernel}={kver}", f"linux-headers-{kernel}={kver}", "dkms",
-            *GUEST_PACKAGES, *rf.packages]
-    if rf.linux_source:                 # what the package recommends, of this kernel's version
-        pkgs.append(f"linux-source-{rf.line}={kver}")
+    pkgs = ["dkms", *GUEST_PACKAGES, *rf.packages]
     if rf.mismatch_headers:
         pkgs.append(rf.mismatch_headers)
-    r = _with_debs(tmp, debs, [*APT, *target_release(rf), "install", *pkgs], log, check=False)
+    r = _with_debs(tmp, debs, [*APT, "install", *pkgs], log, check=False)
+    # the kernel (and the source the package recommends, of its version) in
+    # a second step, `-t <suite>-backports` for a backport as Debian says;
+    # a -t on the first step would also take backports' openvpn, dkms, ...
+    kpkgs = [f"linux-image-{kernel}={kver}", f"linux-headers-{kernel}={kver}"]
+    if rf.linux_source:
+        kpkgs.append(f"linux-source-{rf.line}={kver}")
+    if r.returncode == 0:
+        r = _with_debs(tmp, debs, [*APT, *target_release(rf), "install", *kpkgs], log,
+                       check=False)
     if r.returncode != 0:
         lines = log.read_text(errors="replace").splitlines()
         err = [ln for ln in lines if ln.startswith(("E:", "W:"))][-4:] or lines[-8:]
