@@ -55,7 +55,7 @@ def _kernel_has(env) -> dict[str, bool]:
 def test_declared_features(env, record_property):
     declared = declared_features()
     if declared is None:
-        pytest.skip("not booted by the lab: no NODROP_FEATURES to compare with")
+        pytest.skip("this row declares no features (NODROP_FEATURES unset): nothing to compare with")
     have = _kernel_has(env)
     record_property("kernel_features", " ".join(k for k, v in have.items() if v))
     wrong = {k: v for k, v in have.items() if v != (k in declared)}

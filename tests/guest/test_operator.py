@@ -356,9 +356,11 @@ def test_counters_burst(env, mode, record_property):
         # the drained queue runs again: every stop had its wake
         assert c2["stop"] == c2["wake"], summary
         # hysteresis: a stopped queue wakes only once the reader has taken
-        # the ring down to half the stop level (txqueuelen), so each wake
-        # lets at least RING - RING // 2 packets in before the next stop
-        most = 1 + -(-(N - RING) // (RING - RING // 2))
+        # the ring down to half its stop level (txqueuelen), so each wake
+        # lets at least RING // 2 packets in before the next stop (6.12's
+        # series: exactly 76 stops here; the 7.3 series, mainline's wake:
+        # 79-81; a wake at any room: hundreds)
+        most = 1 + -(-(N - RING) // (RING // 2))
         assert 1 < c2["stop"] <= most, f"{c2['stop']} stops, at most {most} with " \
             f"a wake at half the ring; {summary}"
         assert got == N, summary
