@@ -165,13 +165,11 @@ static int read_one(int fd, int tap, size_t vnet)
 	return 1;
 }
 
-/* "empty": read until read() finds the queue empty; 0 if not reading */
-static int drain_queue(int fd, int tap, size_t vnet, int reading)
+/* "empty": read until read() finds the queue empty; 0 if it cannot read */
+static int drain_queue(int fd, int tap, size_t vnet)
 {
 	int r;
 
-	if (!reading)
-		return 0;
 	while ((r = read_one(fd, tap, vnet)) > 0)
 		;
 	return r == 0;
@@ -349,8 +347,8 @@ int main(int argc, char **argv)
 						last_progress = now_ms();
 					}
 				} else if (!strcmp(cmd, "empty")) {
-					int ok = drain_queue(fd, tap, vnet,
-							     running && !detached);
+					int ok = running && !detached &&
+						 drain_queue(fd, tap, vnet);
 
 					print_counters("empty", ok ? "empty" : "not-reading");
 				} else if (!strcmp(cmd, "quit")) {

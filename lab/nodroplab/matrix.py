@@ -161,6 +161,7 @@ def load(path: Path = MATRIX_FILE) -> Matrix:
         except KeyError as e:
             raise LabError(f"{path}: source {name}: missing key {e}")
     flavors = {}
+    features = set(known_features())
     for name, f in data.get("flavors", {}).items():
         src = f.get("source")
         if src not in sources:
@@ -181,10 +182,10 @@ def load(path: Path = MATRIX_FILE) -> Matrix:
                                  "reason"),
             known_failures=_pairs(path, name, "known_failures", f.get("known_failures", []),
                                   "message"))
-        bad = set(flavors[name].features or ()) - set(known_features())
+        bad = set(flavors[name].features or ()) - features
         if bad:
             raise LabError(f"{path}: flavor {name}: unknown features {sorted(bad)}; "
-                           f"known: {' '.join(known_features())}")
+                           f"known: {' '.join(sorted(features))}")
     for fl in flavors.values():
         _check_chaos_sibling(path, fl, flavors)
     m = data.get("matrix", {})

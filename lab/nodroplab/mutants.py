@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .common import REPO, LabError, cache_dir, safe, say
-from .fetch import fetch, upstream_version
 from .kernel import (Built, _git, _make, build_lock, configure, kernel, tree_dir)
 from .matrix import Flavor, Matrix
 from .suite import _suites_row, _tools_row, new_results_dir
@@ -145,7 +144,6 @@ def cmd_mutants(mx: Matrix, names: list[str]) -> int:
     out = new_results_dir("mutants")
     say(f"results: {out}")
     base = kernel(fl)            # the flavor's tree at its series, and its kernel
-    upstream_version(fetch(fl.source))
     mfl = dataclasses.replace(fl, name=f"{fl.name}-mutant",
                               localversion=f"{fl.localversion}-mutant")
     verdicts = _model_verdicts([m.model for m in mutants if m.model])

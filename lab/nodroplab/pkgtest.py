@@ -417,60 +417,63 @@ def finish(rf: RootfsFlavor, rw: Path, selection: list[str]) -> dict:
         _sh(root, f"dpkg --purge --force-remove-reinstreq {pkg}; "
                   f"dkms remove {name}/{version} --all; rm -rf {src_dir}", log)
 
-    def build_failure():
-        # a compiler error (what a kernel API change would give)
-        broken = root / src_dir.lstrip("/") / "nodrop-lab-broken.h"
+    def broken_install(breaks, want, what: str) -> str:
+        """Unpack the package, break it (breaks(d), d: its source dir in the
+        root), configure it: apt stays clean, the output names rf.kernel in
+        one line holding every string want() returns (called after breaks),
+        the stock modules stay."""
+        d = root / src_dir.lstrip("/")
         rc, out = _sh(root, f"dpkg --unpack {in_root}", log)
         _expect(rc == 0, f"dpkg --unpack: exit {rc}", out)
-        broken.write_text("#error nodrop lab: injected build failure\n")
-        with open(broken.with_name("Kbuild"), "a") as f:
-            f.write("ccflags-y += -include $(src)/nodrop-lab-broken.h\n")
+        breaks(d)
         rc, out = _sh(root, f"dpkg --configure {pkg}", log)
         try:
-            _expect(rc == 0, f"dpkg --configure {pkg} failed (exit {rc}): a build error must "
-                             "not leave apt half-configured", out)
+            _expect(rc == 0, f"dpkg --configure {pkg} failed (exit {rc}): {what} must not "
+                             "leave apt half-configured", out)
             _no_half_configured(root, log)
-            lines = _one_line(out, rf.kernel)
-            _expect(len(lines) == 1 and "build failed" in lines[0] and "make.log" in lines[0],
-                    f"expected one line for {rf.kernel} with the make.log pointer", out)
-            stock_stays("after a failed build")
+            got = _one_line(out, rf.kernel)
+            wanted = want()
+            _expect(len(got) == 1 and all(w in got[0] for w in wanted),
+                    f"expected one line for {rf.kernel} with {wanted!r}", out)
+            stock_stays(what)
         finally:
             purge()
         return out
+
+    def build_failure():
+        # a compiler error (what a kernel API change would give)
+        def breaks(d: Path) -> None:
+            (d / "nodrop-lab-broken.h").write_text("#error nodrop lab: injected build failure\n")
+            with open(d / "Kbuild", "a") as f:
+                f.write("ccflags-y += -include $(src)/nodrop-lab-broken.h\n")
+        return broken_install(breaks, lambda: ("build failed", "make.log"),
+                              "after a failed build")
 
     def series_or_source_missing():
         # a sublevel the series no longer applies to (a context line of its
         # first patch changed), or, without linux-source, no source of the
         # kernel's version (the pre-generated files removed)
-        d = root / src_dir.lstrip("/")
-        rc, out = _sh(root, f"dpkg --unpack {in_root}", log)
-        _expect(rc == 0, f"dpkg --unpack: exit {rc}", out)
-        first = (d / "series" / rf.line / "series").read_text().split()[0]
-        pf = d / "series" / rf.line / first
-        lines = pf.read_text().splitlines(keepends=True)
-        i = next(i for i, ln in enumerate(lines) if ln.startswith("@@"))
-        j = next(j for j in range(i + 1, len(lines)) if lines[j].startswith(" "))
-        lines[j] = " nodrop lab: a context line this Linux version does not have\n"
-        pf.write_text("".join(lines))
-        shutil.rmtree(d / "pregen", ignore_errors=True)
-        rc, out = _sh(root, f"dpkg --configure {pkg}", log)
-        try:
-            _expect(rc == 0, f"dpkg --configure {pkg} failed (exit {rc}): must not leave apt "
-                             "half-configured", out)
-            _no_half_configured(root, log)
-            got = _one_line(out, rf.kernel)
-            if rf.linux_source:
-                want = f"patch {first} of the {rf.line} series does not apply to Linux {up}"
-            else:
-                want = (f"Linux {up} needs its pristine source, /usr/src/linux-source-{rf.line}"
-                        f".tar.xz is missing: apt install linux-source-{rf.line}="
-                        f"{rf.kernel_version}")
-            _expect(len(got) == 1 and want in got[0], f"expected one line: {want!r}", out)
-            stock_stays("when the series does not apply" if rf.linux_source
-                        else "without the source")
-        finally:
-            purge()
-        return out
+        first = ""
+
+        def breaks(d: Path) -> None:
+            nonlocal first
+            first = (d / "series" / rf.line / "series").read_text().split()[0]
+            pf = d / "series" / rf.line / first
+            lines = pf.read_text().splitlines(keepends=True)
+            i = next(i for i, ln in enumerate(lines) if ln.startswith("@@"))
+            j = next(j for j in range(i + 1, len(lines)) if lines[j].startswith(" "))
+            lines[j] = " nodrop lab: a context line this Linux version does not have\n"
+            pf.write_text("".join(lines))
+            shutil.rmtree(d / "pregen", ignore_errors=True)
+        if rf.linux_source:
+            return broken_install(
+                breaks, lambda: (f"patch {first} of the {rf.line} series does not apply "
+                                 f"to Linux {up}",),
+                "when the series does not apply")
+        return broken_install(
+            breaks, lambda: (f"Linux {up} needs its pristine source, /usr/src/linux-source-"
+                             f"{rf.line}.tar.xz is missing: apt install linux-source-"
+                             f"{rf.line}={rf.kernel_version}",), "without the source")
 
     def missing_headers():
         rc, out = _sh(root, f"apt-get remove -y -q linux-headers-{kq} && "

@@ -66,22 +66,21 @@ def progress(env, dev, readers, what: str, n: int = 50) -> None:
         f"tx_dropped={tx_dropped(dev)} qdisc {qsummary(root_qdisc(dev))}")
 
 
-def quiesce(readers, dev: str, idle_s: float = 1.0) -> int:
+def quiesce(readers, dev: str, idle_s: float = 1.0) -> dict:
     """Everything sent to dev has been read: its qdisc's backlog is 0 and
     every reader found its queue empty (tunlib.drained). vhost-net's
     consumer (VhostRx) cannot see tun's ring: with one, wait instead until
-    the readers read nothing for idle_s. Returns the packets read."""
+    the readers read nothing for idle_s. Returns the drained root qdisc."""
     if not any(isinstance(r, VhostRx) for r in readers):
-        drained(dev, readers)
-        return counts(readers, "pkts")
-    wait_backlog_zero(dev)
+        return drained(dev, readers, stall_s=STALL_S)
+    q = wait_backlog_zero(dev, stall_s=STALL_S)
     prev = counts(readers, "pkts")
     start = time.monotonic()
     while True:
         time.sleep(idle_s)
         now = counts(readers, "pkts")
         if now == prev:
-            return now
+            return q
         if time.monotonic() - start > 300:
             raise AssertionError("readers never went idle after the load stopped")
         prev = now
@@ -90,8 +89,7 @@ def quiesce(readers, dev: str, idle_s: float = 1.0) -> int:
 def finish(env, dev: str, readers, sender, record_property) -> None:
     s = sender.stop()
     log(f"load stopped: {s}")
-    q = wait_backlog_zero(dev, stall_s=STALL_S)
-    quiesce(readers, dev)
+    q = quiesce(readers, dev)
     d0 = tx_dropped(dev)
     base = counts(readers, "id2")
     r = env.burst(FRESH, ident=2, sndbuf=SNDBUF)
