@@ -28,7 +28,10 @@
  * "NDRP" header; per sender id in "per_id"), pktgen (pktgen's magic),
  * other, bad (length fields that do not match what read() returned, i.e.
  * a mis-parsed virtio-net header), ebadfd (reads refused because the queue
- * was detached with TUNSETQUEUE; we keep retrying), read_errors.
+ * was detached with TUNSETQUEUE; we keep retrying), read_errors, reads
+ * (every read() on the tun fd, the empty ones included) and wakeups (poll()
+ * returns that found the tun fd readable): reads/pkts and pkts/wakeups are
+ * what one packet costs the reader in syscalls and sleeps.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -54,7 +57,7 @@
 
 struct counters {
 	unsigned long long pkts, bytes, ours, pktgen, other, bad;
-	unsigned long long ebadfd, read_errors;
+	unsigned long long ebadfd, read_errors, reads, wakeups;
 	unsigned long long per_id[MAX_IDS];
 };
 
@@ -78,9 +81,11 @@ static void print_counters(const char *event, const char *result)
 		printf(",\"result\":\"%s\"", result);
 	printf(",\"running\":%s,\"pkts\":%llu,\"bytes\":%llu,\"ours\":%llu,"
 	       "\"pktgen\":%llu,\"other\":%llu,\"bad\":%llu,\"ebadfd\":%llu,"
-	       "\"read_errors\":%llu,\"per_id\":[",
+	       "\"read_errors\":%llu,\"reads\":%llu,\"wakeups\":%llu,"
+	       "\"per_id\":[",
 	       running ? "true" : "false", cnt.pkts, cnt.bytes, cnt.ours,
-	       cnt.pktgen, cnt.other, cnt.bad, cnt.ebadfd, cnt.read_errors);
+	       cnt.pktgen, cnt.other, cnt.bad, cnt.ebadfd, cnt.read_errors,
+	       cnt.reads, cnt.wakeups);
 	for (i = 0; i < MAX_IDS; i++)
 		printf("%s%llu", i ? "," : "", cnt.per_id[i]);
 	printf("]}\n");
@@ -142,6 +147,7 @@ static int read_one(int fd, int tap, size_t vnet)
 {
 	ssize_t r = read(fd, buf, sizeof(buf));
 
+	cnt.reads++;
 	if (r < 0) {
 		if (errno == EAGAIN || errno == EINTR)
 			return 0;
@@ -297,6 +303,8 @@ int main(int argc, char **argv)
 				(tun_idx >= 0 && pfd[tun_idx].revents))) {
 			int i;
 
+			if (!detached)
+				cnt.wakeups++;
 			detached = 0;
 			for (i = 0; i < BATCH && running; i++) {
 				int r = read_one(fd, tap, vnet);

@@ -61,8 +61,11 @@
  * "per_id"), pktgen, other, bad (lengths that do not match what vhost
  * reported), dups (a sequence number of an id seen twice), reorder (a
  * sequence number lower than one already seen for that id), missing (per id:
- * highest sequence seen + 1 - distinct sequences seen), kicks, calls,
- * attaches, detaches, errors (failed ioctls).  "ebadfd" and "read_errors"
+ * highest sequence seen + 1 - distinct sequences seen), kicks, calls
+ * (reads of the call eventfd), signals (the signals vhost-net sent through
+ * it, summed from those reads: one per flush of its used ring, at the end
+ * of every handle_rx run that filled a buffer and after every batch of
+ * more than 64 buffers within one), attaches, detaches, errors (failed ioctls).  "ebadfd" and "read_errors"
  * exist for tunreader compatibility and stay 0.
  */
 #define _GNU_SOURCE
@@ -101,7 +104,7 @@
 
 struct counters {
 	unsigned long long pkts, bytes, ours, pktgen, other, bad;
-	unsigned long long dups, reorder, kicks, calls;
+	unsigned long long dups, reorder, kicks, calls, signals;
 	unsigned long long attaches, detaches, errors;
 	unsigned long long per_id[MAX_IDS];
 	unsigned long long distinct[MAX_IDS];
@@ -163,12 +166,12 @@ static void print_counters(const char *event, const char *result)
 	printf(",\"running\":%s,\"attached\":%s,\"posted\":%s,\"pkts\":%llu,"
 	       "\"bytes\":%llu,\"ours\":%llu,\"pktgen\":%llu,\"other\":%llu,"
 	       "\"bad\":%llu,\"ebadfd\":0,\"read_errors\":0,\"dups\":%llu,"
-	       "\"reorder\":%llu,\"kicks\":%llu,\"calls\":%llu,"
+	       "\"reorder\":%llu,\"kicks\":%llu,\"calls\":%llu,\"signals\":%llu,"
 	       "\"attaches\":%llu,\"detaches\":%llu,\"errors\":%llu",
 	       running ? "true" : "false", attached ? "true" : "false",
 	       posted ? "true" : "false", cnt.pkts, cnt.bytes, cnt.ours,
 	       cnt.pktgen, cnt.other, cnt.bad, cnt.dups, cnt.reorder,
-	       cnt.kicks, cnt.calls, cnt.attaches, cnt.detaches, cnt.errors);
+	       cnt.kicks, cnt.calls, cnt.signals, cnt.attaches, cnt.detaches, cnt.errors);
 	print_list("per_id", per_id);
 	print_list("missing", missing);
 	printf("}\n");
@@ -621,8 +624,10 @@ int main(int argc, char **argv)
 		if (pfd[call_idx].revents & POLLIN) {
 			uint64_t v;
 
-			if (read(call_fd, &v, sizeof(v)) == sizeof(v))
+			if (read(call_fd, &v, sizeof(v)) == sizeof(v)) {
 				cnt.calls++;
+				cnt.signals += v;
+			}
 		}
 
 		if (running) {
