@@ -8,12 +8,16 @@ Environment (all optional except NODROP_TOOLS / NODROP_RESULTS in the lab):
   NODROP_RESULTS  where the raw JSON goes (one file per scenario)
   NODROP_FLAVOR   label only, copied into the JSON
   QUICK=1         reduced set (a few minutes per flavor)
-  REPS            repetitions per point, every scenario (default 5, QUICK 3)
+  REPS            repetitions per point in this boot, every scenario (default
+                  2; the lab boots every kernel BOOTS times, docs/bench.md)
   DURATION        seconds per measured point, every scenario (default: per
                   scenario, see docs/bench.md; iperf3 rounds to whole seconds)
   SCENARIOS       comma list, e.g. "1,4,5,6" (default: all, 1,4,5,6,7,3,2)
   S4_SPIN_US      busy-wait per packet of tunnel A's reader in scenario 4 (60)
-  S6_RATE_PPS     packet rate of tunnel A's paced reader in scenario 6 (1000)
+  S6_RATE_PPS     packet rate of tunnel A's paced reader in scenario 6 (1000;
+                  0: no paced points, only the unpaced ones)
+  S6_PINGS        pings per point in this boot, split over REPS (1000, QUICK 200)
+  S6_PING_INTERVAL  mean gap between pings, s (0.01; randomised +-50 %)
   S6_WARMUP       seconds of bulk TCP before the pings of scenario 6 (1.5,
                   QUICK 1.0)
   S7_DELAY_US     sleep after every packet of the slow queue's reader in
@@ -21,13 +25,16 @@ Environment (all optional except NODROP_TOOLS / NODROP_RESULTS in the lab):
   NODROP_CLOCK    the guest's clock as the lab booted it (icount | wall),
                   recorded in the JSON; the report derives instructions per
                   packet from guest time only under icount
+  NODROP_BOOT     which boot of this kernel this is (1, 2, ...), recorded
 
 Writes <scenario>.json per scenario (elapsed_s in each) and run.json (total
 time of the run).
 
 Feature detection only: TUNGETFEATURES & IFF_BACKPRESSURE (0x0080) decides
 whether the "bp" configuration (flag + fq_codel) is measured next to
-"stock". The flavor name is never looked at.
+"stock" (and "stock+fq_codel" in the pktgen scenarios); a tun with
+backpressure that shows byte_queue_limits in sysfs adds "bp-nobql". The
+flavor name is never looked at.
 """
 
 from __future__ import annotations
@@ -57,7 +64,7 @@ def main() -> int:
     ap.add_argument("--results", default=env.get("NODROP_RESULTS") or env.get("NODROP_BENCH_OUT") or ".")
     a = ap.parse_args()
     if a.reps is None:
-        a.reps = int(env.get("REPS") or (3 if a.quick else 5))
+        a.reps = int(env.get("REPS") or 2)
     out = Path(a.results)
     out.mkdir(parents=True, exist_ok=True)
     ctx = Ctx(a.quick, a.reps, a.duration, a.tools)
@@ -73,7 +80,8 @@ def main() -> int:
     common = {"flavor": env.get("NODROP_FLAVOR", ""), "uname_r": uname.release,
               "uname_v": uname.version, "bp_supported": ctx.bp,
               "features": hex(tl.get_features()), "quick": a.quick, "reps": a.reps,
-              "cpus": os.cpu_count(),
+              "cpus": os.cpu_count(), "boot": int(env.get("NODROP_BOOT") or 1),
+              "bql_sysfs": ctx.bql,
               "clock": env.get("NODROP_CLOCK", "wall"),
               "default_qdisc": Path("/proc/sys/net/core/default_qdisc").read_text().strip()
               if Path("/proc/sys/net/core/default_qdisc").exists() else None}

@@ -190,66 +190,123 @@ def cpu_idle_ns() -> list[int]:
     return out
 
 
-def net_tx_softirqs() -> int:
-    """NET_TX softirqs run so far, all CPUs (/proc/softirqs): each is a
-    qdisc run some CPU owed a wake-up or a requeue."""
+def softirqs() -> dict[str, int]:
+    """NET_TX and NET_RX softirqs run so far, all CPUs (/proc/softirqs):
+    NET_TX is a qdisc run some CPU owed a wake-up or a requeue, NET_RX a
+    backlog/NAPI run (a tun write, a veth or loopback receive)."""
+    out = {"net_tx": 0, "net_rx": 0}
     with open("/proc/softirqs") as f:
         for line in f:
             p = line.split()
-            if p and p[0] == "NET_TX:":
-                return sum(int(x) for x in p[1:])
-    return 0
+            if p and p[0] in ("NET_TX:", "NET_RX:"):
+                out[p[0][:-1].lower()] = sum(int(x) for x in p[1:])
+    return out
 
 
-def task_cpu_ns(pid: int) -> int:
-    """CPU time of process pid so far (utime + stime, /proc/<pid>/stat), in
-    ns of the guest clock; softirqs that ran in its context included (the
-    lab's kernels have no IRQ time accounting)."""
-    with open(f"/proc/{pid}/stat") as f:
+def task_cpu_ns(pid: int, tid: int | None = None) -> int:
+    """CPU time of process pid (or of its thread tid) so far (utime + stime,
+    /proc/<pid>/stat), in ns of the guest clock; softirqs that ran in its
+    context included (the lab's kernels have no IRQ time accounting)."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
+    with open(path) as f:
         p = f.read().rsplit(")", 1)[1].split()
     return (int(p[11]) + int(p[12])) * 1_000_000_000 // USER_HZ
 
 
-def mech_snap(dev: str, consumer_pid: int | None = None) -> dict:
+def task_sleeps(pid: int, tid: int | None = None) -> int:
+    """Voluntary context switches of pid (or its thread tid): how often it
+    went to sleep (waiting for packets, for a wake-up, for a timer)."""
+    path = f"/proc/{pid}/task/{tid}/status" if tid else f"/proc/{pid}/status"
+    with open(path) as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    return 0
+
+
+def vhost_worker(owner: int) -> tuple[int, int] | None:
+    """(pid, tid) of the vhost worker serving process owner: a thread
+    "vhost-<owner>" of that process (vhost_task, 6.4 on), else a kernel
+    thread of that name; None if there is none."""
+    name = f"vhost-{owner}"
+    for tid in os.listdir(f"/proc/{owner}/task"):
+        try:
+            with open(f"/proc/{owner}/task/{tid}/comm") as f:
+                if f.read().strip() == name:
+                    return owner, int(tid)
+        except FileNotFoundError:
+            continue
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == name:
+                    return int(pid), int(pid)
+        except FileNotFoundError:
+            continue
+    return None
+
+
+def mech_snap(dev: str, consumer_pid: int | None = None, reader: dict | None = None,
+              vhost: tuple[int, int] | None = None) -> dict:
     """Counters of dev at one instant (in the caller's netns), for
     mech_rates(): guest time, per-CPU idle, packets the consumer took from
-    the ring (tx_packets), root qdisc requeues, queue stops/wakes, NET_TX
-    softirqs, and the CPU time of the consumer process if given."""
+    the ring (tx_packets), root qdisc requeues, queue stops/wakes, NET_TX and
+    NET_RX softirqs; the CPU time and sleeps of the consumer process if
+    given; the reader tool's own counters (`stat` of tunreader: read()
+    calls, poll wake-ups; of vhostrx: used-ring signals from vhost-net);
+    and the vhost worker thread's CPU time and sleeps."""
     st = tl.dev_stats(dev)
     q = qdisc_counts(dev)
     src, stops, wakes = stops_wakes(dev)
     out = {"t_ns": time.monotonic_ns(), "idle_ns": cpu_idle_ns(),
            "tx_packets": st["tx_packets"], "requeues": q.get("requeues", 0),
-           "sw_src": src, "stops": stops, "wakes": wakes, "net_tx": net_tx_softirqs()}
+           "sw_src": src, "stops": stops, "wakes": wakes, **softirqs()}
     if consumer_pid:
         out["consumer_ns"] = task_cpu_ns(consumer_pid)
+        out["consumer_sleeps"] = task_sleeps(consumer_pid)
+    for k in ("reads", "wakeups", "signals"):
+        if reader and isinstance(reader.get(k), int):
+            out[f"reader_{k}"] = reader[k]
+    if vhost:
+        out["vhost_ns"] = task_cpu_ns(*vhost)
+        out["vhost_sleeps"] = task_sleeps(*vhost)
     return out
 
 
+# counts per 1000 delivered packets: mech_snap key -> mech_rates key
+PER_KPKT = {"requeues": "requeues_per_kpkt", "net_tx": "net_tx_per_kpkt",
+            "net_rx": "net_rx_per_kpkt", "consumer_sleeps": "reader_sleeps_per_kpkt",
+            "reader_reads": "reads_per_kpkt", "reader_wakeups": "reader_wakeups_per_kpkt",
+            "reader_signals": "vhost_signals_per_kpkt", "vhost_sleeps": "vhost_sleeps_per_kpkt"}
+
+
 def mech_rates(m0: dict, m1: dict, seconds: float | None = None) -> dict:
-    """Per window: delivered packets, queue stops/wakes, qdisc requeues and
-    NET_TX softirqs per 1000 delivered packets (any clock), the consumer
-    process's share of one CPU (consumer_cpu_pct) and its CPU time per
-    delivered packet (consumer_ns_per_pkt), and guest ns per delivered
-    packet, gns_per_pkt (under icount shift=0: guest instructions, both
-    vCPUs together, upper bound) with gns_per_pkt_lo (the same minus the
-    least idle time of any vCPU: lower bound). `seconds` replaces the
-    window's length for the per-packet cost (iperf3: the transfer only)."""
+    """Per window: delivered packets; the PER_KPKT counts per 1000
+    delivered packets and queue stops/wakes likewise (any clock); the
+    consumer process's and the vhost worker's share of one CPU (*_cpu_pct)
+    and CPU time per delivered packet (*_ns_per_pkt); and guest ns per
+    delivered packet, gns_per_pkt (under icount shift=0: guest
+    instructions, both vCPUs together, upper bound) with gns_per_pkt_lo
+    (the same minus the least idle time of any vCPU: lower bound).
+    `seconds` replaces the window's length for the per-packet cost (iperf3:
+    the transfer only)."""
     n = m1["tx_packets"] - m0["tx_packets"]
     t = m1["t_ns"] - m0["t_ns"]
     idle = min((b - a for a, b in zip(m0["idle_ns"], m1["idle_ns"])), default=0)
     idle_frac = min(1.0, max(0.0, idle / t)) if t > 0 else 0.0
     span = seconds * 1e9 if seconds else t
     out = {"pkts": n, "guest_s": t / 1e9, "idle_min_pct": 100.0 * idle_frac,
-           "requeues_per_kpkt": 1000.0 * (m1["requeues"] - m0["requeues"]) / n if n else None,
-           "net_tx_per_kpkt": 1000.0 * (m1["net_tx"] - m0["net_tx"]) / n if n else None,
            "gns_per_pkt": span / n if n else None,
            "gns_per_pkt_lo": span * (1 - idle_frac) / n if n else None,
            "sw_src": m1["sw_src"]}
-    if "consumer_ns" in m0 and "consumer_ns" in m1 and t > 0 and n:
-        c = m1["consumer_ns"] - m0["consumer_ns"]
-        out["consumer_cpu_pct"] = 100.0 * c / t
-        out["consumer_ns_per_pkt"] = c / n
+    for k, name in PER_KPKT.items():
+        if k in m0 and k in m1:
+            out[name] = 1000.0 * (m1[k] - m0[k]) / n if n else None
+    for k, name in (("consumer_ns", "consumer"), ("vhost_ns", "vhost")):
+        if k in m0 and k in m1 and t > 0 and n:
+            c = m1[k] - m0[k]
+            out[f"{name}_cpu_pct"] = 100.0 * c / t
+            out[f"{name}_ns_per_pkt"] = c / n
     if m1["sw_src"] and m1["sw_src"] == m0["sw_src"] and n:
         out["stops_per_kpkt"] = 1000.0 * (m1["stops"] - m0["stops"]) / n
         out["wakes_per_kpkt"] = 1000.0 * (m1["wakes"] - m0["wakes"]) / n
@@ -257,16 +314,19 @@ def mech_rates(m0: dict, m1: dict, seconds: float | None = None) -> dict:
 
 
 # --- configurations ------------------------------------------------------------
-def configs(bp_ok: bool, qlen: int | None = None, bql_ok: bool = False) -> list[dict]:
-    """stock: no flag, the device's default qdisc; bp: IFF_BACKPRESSURE +
-    fq_codel (default parameters: real AQM), only where the kernel has it;
-    bp-nobql: bp with BQL off (tun's "bql" ethtool private flag off: the
-    queue stops at the ring's level only, as in series v2), only where tun
-    has that flag (ours, v3 on)."""
+def configs(ctx, qlen: int | None = None, control: bool = False,
+            nobql: bool = True) -> list[dict]:
+    """stock: no flag, the device's default qdisc; stock+fq_codel (control):
+    no flag, fq_codel root, the control for bp's qdisc work; bp:
+    IFF_BACKPRESSURE + fq_codel (default parameters: real AQM), only where
+    the kernel has it; bp-nobql (nobql): bp with BQL's limit lifted through
+    sysfs (bql_unlimited()), only where tun shows byte_queue_limits."""
     c = [{"name": "stock", "flag": 0, "qdisc": None, "qlen": qlen}]
-    if bp_ok:
+    if control:
+        c.append({"name": "stock+fq_codel", "flag": 0, "qdisc": "fq_codel", "qlen": qlen})
+    if ctx.bp:
         c.append({"name": "bp", "flag": BP, "qdisc": "fq_codel", "qlen": qlen})
-    if bp_ok and bql_ok:
+    if ctx.bp and ctx.bql and nobql:
         c.append({"name": "bp-nobql", "flag": BP, "qdisc": "fq_codel", "qlen": qlen,
                   "bql": "off"})
     return c
@@ -308,28 +368,58 @@ class Sysfs:
             f.write(str(value))
 
 
-BQL_DIR = "class/net/{dev}/queues/tx-0/byte_queue_limits"
+BQL_DIR = "class/net/{dev}/queues/tx-{q}/byte_queue_limits"
+# "ours without BQL": BQL's minimum limit far above anything a ring of
+# txqueuelen packets can hold (DQL_MAX_LIMIT is about 1.9 GB), so the
+# queue stops at the ring's level only; accounting and completions still run
+BQL_NOLIMIT = 1 << 30
 
 
 def bql_state(fs: Sysfs, dev: str) -> dict | None:
     """Queue 0's BQL limit and bytes in flight, None without byte_queue_limits."""
-    d = BQL_DIR.format(dev=dev)
+    d = BQL_DIR.format(dev=dev, q=0)
     limit = fs.read_int(f"{d}/limit")
     if limit is None:
         return None
     return {"limit": limit, "inflight": fs.read_int(f"{d}/inflight")}
 
 
-def has_bql_switch(dev: str) -> bool:
-    """tun's "bql" ethtool private flag (ours: BQL under backpressure).
-    Run in the device's netns."""
-    return tl.has_priv_flag(dev, "bql")
+def bql_dirs(fs: Sysfs, dev: str) -> list[str]:
+    """byte_queue_limits of every TX queue of dev (sysfs of its netns)."""
+    base = f"class/net/{dev}/queues"
+    try:
+        names = os.listdir(fs.path(base))
+    except FileNotFoundError:
+        return []
+    return [f"{base}/{n}/byte_queue_limits" for n in sorted(names)
+            if n.startswith("tx-") and os.path.isdir(fs.path(f"{base}/{n}/byte_queue_limits"))]
 
 
-def set_bql(dev: str, on: bool) -> None:
-    """"Ours without BQL" (off) or BQL (on, the default) on a tun that has
-    the "bql" private flag. Run in the device's netns."""
-    tl.set_priv_flag(dev, "bql", on)
+def bql_limit_min(fs: Sysfs, dev: str, value: int, need: bool) -> None:
+    """Write limit_min of every TX queue of dev and read it back. need: the
+    configuration depends on it (bp-nobql), so a missing directory is an
+    error; otherwise (restoring the default 0) it is a no-op."""
+    dirs = bql_dirs(fs, dev)
+    if not dirs:
+        if need:
+            raise RuntimeError(
+                f"{dev}: no /sys/class/net/{dev}/queues/tx-*/byte_queue_limits: "
+                "'bp-nobql' lifts BQL's limit through limit_min there, and this "
+                "kernel does not show byte_queue_limits for tun (the lab kernels' "
+                "net-sysfs patch does)")
+        return
+    for d in dirs:
+        fs.write(f"{d}/limit_min", value)
+        got = fs.read_int(f"{d}/limit_min")
+        if got != value:
+            raise RuntimeError(f"{dev}: wrote {value} to {d}/limit_min, read back {got}")
+
+
+def bql_unlimited(fs: Sysfs, dev: str, off: bool) -> None:
+    """off: "ours without BQL" (limit_min = BQL_NOLIMIT on every TX queue;
+    fails without byte_queue_limits); else BQL as the kernel has it
+    (limit_min 0, the default)."""
+    bql_limit_min(fs, dev, BQL_NOLIMIT if off else 0, need=off)
 
 
 # --- the VPN path: tunnel A (nsA) <-UDP over veth-> tunnel B (nsB) -------------
@@ -391,20 +481,11 @@ class VPN:
                 self.qdisc = apply_dev(dev, cfg)
         self.apply_bql(cfg)
 
-    def has_bql(self) -> bool:
-        """tA has the "bql" private flag (our kernels: BQL with backpressure)."""
-        with self.a:
-            return has_bql_switch("tA")
-
     def apply_bql(self, cfg: dict):
-        """cfg["bql"] == "off": "ours without BQL" on both tuns (the "bql"
-        private flag off); otherwise BQL on where the kernel has it."""
-        for ns, dev in ((self.a, "tA"), (self.b, "tB")):
-            with ns:
-                if has_bql_switch(dev):
-                    set_bql(dev, cfg.get("bql") != "off")
-                elif cfg.get("bql") == "off":
-                    raise RuntimeError(f"{dev}: no 'bql' ethtool private flag")
+        """cfg["bql"] == "off": "ours without BQL" on both tuns
+        (bql_unlimited()); otherwise BQL as the kernel has it."""
+        for fs, dev in ((self.fs_a, "tA"), (self.fs_b, "tB")):
+            bql_unlimited(fs, dev, cfg.get("bql") == "off")
 
     def iperf_server(self, port: int = 5201) -> subprocess.Popen:
         """One iperf3 server per VPN (nsB), reused by every test."""
@@ -684,15 +765,16 @@ def pktgen_point(tools: str, cfg: dict, threads: int, mode: str, vnet: bool,
             if consumer == "tunreader":
                 argv += ["--tap"] + (["--vnet-hdr", "12"] if vnet else [])
             reader = tl.Reader(procs.spawn(argv, text=False), "pg0")
-            # tunreader reads in its own context; vhost-net's worker is a
-            # kernel thread: no consumer process to account for there
+            # tunreader reads in its own context; vhost-net pulls from the
+            # ring in its worker thread (vhost-<pid of vhostrx>)
             reader_pid = reader.proc.pid if consumer == "tunreader" else None
+            vhost = None if reader_pid else vhost_worker(reader.proc.pid)
             tl.setup_ip("pg0", tap=True, txqueuelen=cfg.get("qlen") or 500)
             point["qdisc"] = apply_dev("pg0", cfg)
             if not bypass:
                 no_qdisc_bypass("pg0", cfg["qdisc"])
-            if cfg.get("bql") == "off":
-                set_bql("pg0", False)
+            fs = Sysfs(procs)
+            bql_unlimited(fs, "pg0", cfg.get("bql") == "off")
             devs = pktgen_setup("pg0", threads, mode)
             if devs is None:
                 point["error"] = f"fewer than {threads} pktgen threads"
@@ -706,12 +788,11 @@ def pktgen_point(tools: str, cfg: dict, threads: int, mode: str, vnet: bool,
                         "qdisc_drops": qdisc_counts("pg0")["drops"],
                         "pg_sent": sum(x[0] for x in pg),
                         "pg_errors": sum(x[1] for x in pg), "bad": r["bad"],
-                        "mech": mech_snap("pg0", reader_pid)}
-            bql = None
-            if cfg["flag"]:     # bp and bp-nobql alike: the same sampling work in both
-                fs = Sysfs(procs)
-                bql = lambda: bql_state(fs, "pg0")   # noqa: E731
-            point["reps"] = pktgen_reps("pg0", devs, snap, reps, duration, warmup, bql)
+                        "mech": mech_snap("pg0", reader_pid, r, vhost)}
+            # every configuration does the same sampling work (None where
+            # the kernel shows no byte_queue_limits)
+            point["reps"] = pktgen_reps("pg0", devs, snap, reps, duration, warmup,
+                                        lambda: bql_state(fs, "pg0"))
             reader.quit()
     finally:
         procs.close()
@@ -748,10 +829,11 @@ def say_pktgen(tag: str, pt: dict) -> None:
 
 
 def has_bql() -> bool:
-    """A tun with backpressure has the "bql" private flag (our kernel)."""
+    """A tun with backpressure shows byte_queue_limits (our kernels: BQL
+    under backpressure; the bench runs in the netns /sys was mounted in)."""
     t = tl.Tun("ndbqlprobe", IFF_TUN | IFF_NO_PI | BP)
     try:
-        return has_bql_switch(t.name)
+        return os.path.isdir(f"/sys/{BQL_DIR.format(dev=t.name, q=0)}")
     finally:
         t.close()
 
@@ -767,6 +849,10 @@ class Ctx:
         self.tools = tools
         self.bp = tl.has_backpressure()
         self.bql = self.bp and has_bql()
+        if tl.declares("bql-sysfs") and not self.bql:
+            raise RuntimeError("the flavor declares bql-sysfs, but a tun with backpressure "
+                               "shows no queues/tx-0/byte_queue_limits in sysfs: "
+                               "bp-nobql cannot be configured")
 
     def dur(self, full: float, quick: float) -> float:
         if self.duration:

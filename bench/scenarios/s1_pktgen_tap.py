@@ -25,7 +25,7 @@ def run(ctx) -> dict:
                  # keeps the qdisc empty without BQL, so the core bypasses it)
                  (2, "queue_xmit", False, False)]
     res["params"] = {"duration_s": d, "pkt_size": 64, "txqueuelen": 500, "cases": cases}
-    for cfg in configs(ctx.bp, bql_ok=ctx.bql):
+    for cfg in configs(ctx, control=True):
         for threads, mode, vnet, bypass in cases:
             if not bypass and not cfg.get("qdisc"):
                 continue    # stock keeps the device's default qdisc as it is

@@ -29,7 +29,7 @@ def run(ctx) -> dict:
     res["params"] = {"duration_s": d, "pkt_size": 64, "txqueuelen": 500,
                      "consumer": "tools/vhostrx (vhost-net RX, 256-entry virtqueue)",
                      "cases": cases}
-    for cfg in configs(ctx.bp, bql_ok=ctx.bql):
+    for cfg in configs(ctx, control=True):
         for threads, mode in cases:
             tag = f"s2 {cfg['name']} threads={threads} {mode} vhost-net"
             say(tag)

@@ -16,7 +16,7 @@ def run(ctx) -> dict:
     res = {"scenario": NAME, "title": "TCP through the tunnel: txqueuelen x netem delay",
            "params": {"duration_s": d, "qlens": qlens, "delays_ms": delays, "reps": ctx.reps},
            "points": []}
-    for cfg in configs(ctx.bp):
+    for cfg in configs(ctx):
         vpn = VPN(ctx.tools, cfg)
         try:
             for delay in delays:

@@ -19,7 +19,7 @@ def run(ctx) -> dict:
            "params": {"duration_s": d, "qlen": 25, "frame_pkts": 30, "size": 1200,
                       "fps": fpss, "reader_spin_us": spin},
            "points": []}
-    for cfg in configs(ctx.bp, qlen=25, bql_ok=ctx.bql):
+    for cfg in configs(ctx, qlen=25):
         vpn = VPN(ctx.tools, cfg, spin_us=spin)
         try:
             vpn.set_qlen(25)

@@ -1,4 +1,4 @@
-"""Scenario 5: parallel TCP streams through one tun queue, stock and bp interleaved."""
+"""Scenario 5: parallel TCP streams through one tun queue, the configurations interleaved."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ KEY, NAME = "5", "s5_parallel"
 
 
 def run(ctx) -> dict:
-    """stock and bp side by side on the same kernel, interleaved: both VPNs
-    exist at once and every repetition measures one then the other, in
-    alternating order (stock, bp / bp, stock / ...), so that drift of the
-    host (other VMs, CPU frequency) hits both alike. The report pairs
-    repetition i of bp with repetition i of stock (bp/stock ratio)."""
+    """stock, bp and bp-nobql side by side on the same kernel, interleaved:
+    the VPNs exist at once and every repetition measures each in turn, the
+    order rotated and reversed from one repetition to the next (stock bp
+    nobql / nobql bp stock / bp nobql stock / ...), so that drift hits all
+    alike. The report pairs repetition i of one configuration with
+    repetition i of another (bp/stock, bp/bp-nobql)."""
     d = isec(ctx.dur(2.0, 1.0))
     streams = [1, 8] if ctx.quick else [1, 2, 4, 8]
-    cfgs = configs(ctx.bp, qlen=500)
+    cfgs = configs(ctx, qlen=500)
     res = {"scenario": NAME, "title": "parallel TCP streams through one tun queue",
            "params": {"duration_s": d, "streams": streams, "qlen": 500,
                       "interleaved": len(cfgs) > 1},
@@ -28,7 +29,8 @@ def run(ctx) -> dict:
             pts = {c["name"]: {"config": c["name"], "streams": n,
                                "qdisc": vpns[c["name"]].qdisc, "reps": []} for c in cfgs}
             for i in range(ctx.reps):
-                order = cfgs if i % 2 == 0 else cfgs[::-1]
+                order = cfgs[i // 2 % len(cfgs):] + cfgs[:i // 2 % len(cfgs)]
+                order = order if i % 2 == 0 else order[::-1]
                 for k, cfg in enumerate(order):
                     vpn = vpns[cfg["name"]]
                     r = iperf(vpn, d, streams=n)
@@ -39,11 +41,12 @@ def run(ctx) -> dict:
                 r = pts[c["name"]]["reps"]
                 say(f"s5 {c['name']} -P {n}: {summ(r, 'mbps')} Mbit/s "
                     f"ring drops {summ(r, 'tx_dropped')}")
-            if len(cfgs) > 1:
-                ratios = [{"ratio": b["mbps"] / a["mbps"]}
-                          for a, b in zip(pts["stock"]["reps"], pts["bp"]["reps"])
-                          if a.get("mbps") and b.get("mbps") is not None]
-                say(f"s5 -P {n}: bp/stock per pair {summ(ratios, 'ratio')}")
+            for num, den in (("bp", "stock"), ("bp", "bp-nobql")):
+                if num in pts and den in pts:
+                    ratios = [{"ratio": b["mbps"] / a["mbps"]}
+                              for a, b in zip(pts[den]["reps"], pts[num]["reps"])
+                              if a.get("mbps") and b.get("mbps") is not None]
+                    say(f"s5 -P {n}: {num}/{den} per pair {summ(ratios, 'ratio')}")
             res["points"] += list(pts.values())
     finally:
         for v in vpns.values():

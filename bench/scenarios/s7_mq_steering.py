@@ -7,8 +7,9 @@ that pin the flows to queues the way operators do it:
     u32    udp dport 9  -> action skbedit queue_mapping 0
     flower udp dport 10 -> action skbedit queue_mapping 1
 pktgen (1 thread, queue_xmit, 64-byte frames) alternates the two ports.
-stock: no flag, multiq's default pfifo bands; bp: IFF_BACKPRESSURE and an
-fq_codel per band. The question: when the slow queue is stopped, does the
+stock: no flag, multiq's default pfifo bands; stock+fq_codel: no flag, an
+fq_codel per band; bp: IFF_BACKPRESSURE and an fq_codel per band; bp-nobql:
+bp with BQL's limit lifted on both queues. The question: when the slow queue is stopped, does the
 fast queue keep its rate (multiq dequeues from bands whose queue runs), and
 where do the slow flow's excess packets go (ring drops vs qdisc drops)?
 """
@@ -17,24 +18,24 @@ from __future__ import annotations
 
 import os
 
-from .common import (IFF_NO_PI, IFF_TAP, NS, Procs, configs, mech_snap, pg_counts,
-                     pktgen_available, pktgen_reps, pktgen_setup, qdisc_counts, say, sh,
-                     summ, tl)
+from .common import (IFF_NO_PI, IFF_TAP, NS, Procs, Sysfs, bql_unlimited, configs,
+                     mech_snap, pg_counts, pktgen_available, pktgen_reps, pktgen_setup,
+                     qdisc_counts, say, sh, summ, tl)
 
 KEY, NAME = "7", "s7_mq_steering"
 IFF_MULTI_QUEUE = 0x0100
 
 
-def steer(dev: str, bp: bool) -> str:
+def steer(dev: str, fq_codel: bool) -> str:
     sh(f"tc qdisc replace dev {dev} root handle 1: multiq")
-    if bp:
+    if fq_codel:
         for band in (1, 2):
             sh(f"tc qdisc replace dev {dev} parent 1:{band} fq_codel")
     sh(f"tc filter add dev {dev} parent 1: protocol ip prio 1 u32 "
        "match ip protocol 17 0xff match ip dport 9 0xffff action skbedit queue_mapping 0")
     sh(f"tc filter add dev {dev} parent 1: protocol ip prio 2 flower ip_proto udp "
        "dst_port 10 action skbedit queue_mapping 1")
-    return "multiq" + ("+fq_codel" if bp else "")
+    return "multiq" + ("+fq_codel" if fq_codel else "")
 
 
 def point(ctx, cfg: dict, delay_us: int, d: float) -> dict:
@@ -49,7 +50,8 @@ def point(ctx, cfg: dict, delay_us: int, d: float) -> dict:
                         hex(flags), "--tap", *extra]
                 readers.append(tl.Reader(procs.spawn(argv, text=False), f"pg0 q{q}"))
             tl.setup_ip("pg0", tap=True, txqueuelen=500)
-            pt["qdisc"] = steer("pg0", bool(cfg["flag"]))
+            pt["qdisc"] = steer("pg0", cfg.get("qdisc") == "fq_codel")
+            bql_unlimited(Sysfs(procs), "pg0", cfg.get("bql") == "off")
             devs = pktgen_setup("pg0", 1, "queue_xmit", udp_dst=(9, 10))
 
             def snap():
@@ -82,7 +84,7 @@ def run(ctx) -> dict:
     res["params"] = {"duration_s": d, "pkt_size": 64, "txqueuelen": 500, "queues": 2,
                      "slow_queue_delay_us": delay,
                      "filters": "u32 dport 9 -> queue 0, flower dport 10 -> queue 1"}
-    for cfg in configs(ctx.bp):
+    for cfg in configs(ctx, control=True):
         pt = point(ctx, cfg, delay, d)
         r = pt["reps"]
         say(f"s7 {cfg['name']}: recv q0 {summ(r, 'recv_q0_per_s')} pps, q1 "
