@@ -469,21 +469,36 @@ def bench_clock() -> str:
     return os.environ.get("CLOCK", "icount").strip() or "icount"
 
 
+def bench_boots() -> int:
+    """BOOTS: boots of every flavor (the report's unit of repetition;
+    docs/bench.md), default 3, QUICK 1."""
+    quick = os.environ.get("QUICK", "") not in ("", "0")
+    v = os.environ.get("BOOTS", "").strip() or ("1" if quick else "3")
+    if not v.isdigit() or int(v) < 1:
+        raise LabError(f"BOOTS={v}: a number of boots, at least 1", rc=2)
+    return int(v)
+
+
 def cmd_bench(flavors: list[Flavor]) -> int:
+    """Build every flavor, then boot them in turns (A B C A B C ...), each
+    boot running bench/run into <results>/<flavor>/boot-<n>/, and
+    bench/report over all of them."""
     clock = bench_clock()
     if clock not in CLOCK_OPTS:
         raise LabError(f"CLOCK={clock}: valid clocks are {', '.join(CLOCK_OPTS)}", rc=2)
+    boots = bench_boots()
     say(f"guest clock: {clock}" + (" (QEMU " + " ".join(CLOCK_OPTS[clock]) + ")"
-                                    if CLOCK_OPTS[clock] else ""))
+                                    if CLOCK_OPTS[clock] else "")
+        + f"; {boots} boot(s) per flavor, interleaved")
     tools = build_tools()
     out = new_results_dir("bench")
     rows = []
+    built = []
     bad = False
     for fl in flavors:
-        rw = out / fl.name
-        rw.mkdir()
         row = {"flavor": fl.name, "uname": "-", "package": f"{fl.source.package} "
-               f"{fl.source.version}", "series": "-", "boot": "-", "bench": "-"}
+               f"{fl.source.version}", "series": "-", "boot": "-", "bench": "-",
+               "boots": []}
         rows.append(row)
         try:
             b = kernel(fl)
@@ -493,34 +508,46 @@ def cmd_bench(flavors: list[Flavor]) -> int:
             bad = True
             continue
         row["series"] = b.series_hash[:12]
-        # Extension point: an executable bench/run (owned by the benchmark work)
-        # runs in the guest from the repo root; it writes into $NODROP_BENCH_OUT.
-        cmd = (f"if [ -x {shlex.quote(str(BENCH))} ]; then {shlex.quote(str(BENCH))}; "
-               f"else echo 'no bench/run yet: kernel matrix only'; uname -a; fi")
-        env = _env_for(b, rw, tools)
-        env["NODROP_BENCH_OUT"] = str(rw)
-        env["NODROP_CLOCK"] = clock
-        res = boot_and_run(b.bzimage, cmd, rw, env=env, cwd=REPO, timeout=timeout_s(7200),
-                           clock=clock)
-        row["uname"] = res.uname or "-"
-        row["boot"] = f"{res.boot_seconds:.1f}s" if res.boot_seconds else "-"
-        if res.rc is None:
-            row["bench"] = "boot failed" if not res.booted else "guest died"
-            say(report_failure(res, fl.name))
-            bad = True
-        else:
-            row["bench"] = ("ok" if res.rc == 0 else f"exit {res.rc}") + \
-                           ("" if BENCH.exists() else " (no bench/run)")
-            bad |= res.rc != 0
-        _write_meta(rw, _meta(b, res, {"command": cmd, "clock": clock,
-                                       "qemu_clock_opts": " ".join(CLOCK_OPTS[clock])}))
+        built.append((fl, b, row))
+    # Extension point: an executable bench/run (owned by the benchmark work)
+    # runs in the guest from the repo root; it writes into $NODROP_BENCH_OUT.
+    cmd = (f"if [ -x {shlex.quote(str(BENCH))} ]; then {shlex.quote(str(BENCH))}; "
+           f"else echo 'no bench/run yet: kernel matrix only'; uname -a; fi")
+    for n in range(1, boots + 1):
+        for fl, b, row in built:
+            rw = out / fl.name / f"boot-{n}"
+            rw.mkdir(parents=True)
+            say(f"{fl.name}: boot {n} of {boots}")
+            env = _env_for(b, rw, tools)
+            env.update(NODROP_BENCH_OUT=str(rw), NODROP_CLOCK=clock, NODROP_BOOT=str(n))
+            res = boot_and_run(b.bzimage, cmd, rw, env=env, cwd=REPO, timeout=timeout_s(7200),
+                               clock=clock)
+            row["uname"] = res.uname or row["uname"]
+            if res.boot_seconds:
+                row["boot"] = f"{res.boot_seconds:.1f}s" if row["boot"] == "-" \
+                    else f"{row['boot']} {res.boot_seconds:.1f}s"
+            if res.rc is None:
+                row["boots"].append("boot failed" if not res.booted else "guest died")
+                say(report_failure(res, f"{fl.name} boot {n}"))
+                bad = True
+            else:
+                row["boots"].append("ok" if res.rc == 0 else f"exit {res.rc}")
+                bad |= res.rc != 0
+            _write_meta(rw, _meta(b, res, {"command": cmd, "clock": clock, "boot": n,
+                                           "boots": boots,
+                                           "qemu_clock_opts": " ".join(CLOCK_OPTS[clock])}))
+            ok = row["boots"].count("ok")
+            row["bench"] = f"ok {ok}/{len(row['boots'])}" + \
+                "".join(f", boot {i + 1}: {x}" for i, x in enumerate(row["boots"]) if x != "ok") + \
+                ("" if BENCH.exists() else " (no bench/run)")
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     if os.access(BENCH_REPORT, os.X_OK):
-        dirs = [str(out / r["flavor"]) for r in rows if r["bench"].startswith(("ok", "exit"))]
+        dirs = [str(out / r["flavor"]) for r in rows
+                if any(x == "ok" or x.startswith("exit") for x in r["boots"])]
         if dirs:
             knobs = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(passthrough_env().items()))
-            knobs = f"CLOCK={clock}" + (f" {knobs}" if knobs else "")
-            again = f"{knobs + ' ' if knobs else ''}make bench FLAVORS='{' '.join(r['flavor'] for r in rows)}'"
+            knobs = f"CLOCK={clock} BOOTS={boots}" + (f" {knobs}" if knobs else "")
+            again = f"{knobs} make bench FLAVORS='{' '.join(r['flavor'] for r in rows)}'"
             r = run([sys.executable, str(BENCH_REPORT), "--out", str(out), "--cmd", again, *dirs],
                     check=False)
             if r.returncode != 0:
