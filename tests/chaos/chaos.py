@@ -103,15 +103,6 @@ def say(msg: str) -> None:
 T0 = time.monotonic()
 
 
-def ring_full_delta(a: dict, b: dict) -> dict | None:
-    """Ring-full drops between two snapshots, per queue index and in total
-    (None where the kernel has no such counters)."""
-    if a.get("ring_full") is None or b.get("ring_full") is None:
-        return None
-    return {k: v - a["ring_full"].get(k, 0) for k, v in b["ring_full"].items()
-            if v != a["ring_full"].get(k, 0)}
-
-
 class DropSites:
     """Where the kernel freed dropped skbs, by function and drop reason: a
     hist trigger on the skb:kfree_skb tracepoint (keys: the caller's symbol
@@ -289,21 +280,10 @@ class Chaos:
         link = tl.link_state(DEV)
         tl.rtnl_barrier(DEV)
         return {"t": time.monotonic() - T0, **link, "tx_dropped": tl.tx_dropped(DEV),
-                "ring_full": self.ring_full(), "drop_sites": self.drop_sites.read(),
+                "drop_sites": self.drop_sites.read(),
                 "qdisc_drops": tl.qdisc_drops(DEV),
                 "bp": self.kernel_bp(), "qdisc": self.qdisc_kind, "link": self.link_up,
                 "attached": sum(1 for s in self.slots if s.tun is not None and s.attached)}
-
-    @staticmethod
-    def ring_full() -> dict | None:
-        """Ring-full drops per queue index and in total (qstats hw_drops),
-        where the kernel reports them: tells a bad window's ring-full drops
-        from the others (no ring at the index, filters) and names the queue."""
-        q = tl.qstats(DEV)
-        if q is None:
-            return None
-        return {"total": q["total"]["hw_drops"],
-                **{f"q{i}": v["hw_drops"] for i, v in sorted(q["queues"].items())}}
 
     @staticmethod
     def protected(a: dict) -> bool:
@@ -321,14 +301,13 @@ class Chaos:
             w["protected_s"] += b["t"] - a["t"]
             w["protected_drops"] += d
             if d:
-                rf = ring_full_delta(a, b)
                 sites = DropSites.delta(a["drop_sites"], b["drop_sites"])
                 qd = b["qdisc_drops"] - a["qdisc_drops"]
-                w["bad_windows"].append({"after": what, "drops": d, "ring_full": rf,
+                w["bad_windows"].append({"after": what, "drops": d,
                                          "drop_sites": sites, "qdisc_drops": qd,
                                          "from": a, "to": b})
-                say(f"RING DROPS in a protected window after {what}: {d}, ring-full "
-                    f"{rf}, freed at {sites if sites is not None else '(no tracefs hist)'}, "
+                say(f"RING DROPS in a protected window after {what}: {d}, "
+                    f"freed at {sites if sites is not None else '(no tracefs hist)'}, "
                     f"root qdisc's own drops {qd} ({a} -> {b})")
         else:
             w["unprotected"] += 1

@@ -1,6 +1,6 @@
 """What an operator sees: the `backpressure` ethtool private flag and the
 per-queue counters in the netdev netlink family's qstats (the series'
-"tun: report TX stops, wakes and ring-full drops through qstats" and
+"tun: report TX queue stops and wakes through qstats" and
 "tun: add a "backpressure" ethtool private flag").
 
 The switch is the operator's own bit: backpressure is on while either it or
@@ -16,8 +16,8 @@ every kernel does: tail-drop.
 test_privflag_toggle_under_overload: a program that does not ask for
     backpressure, a slow reader and an overloading sender. The flag is
     switched under load: off -> tx_dropped grows; on -> over a window that
-    starts after the switch, tx_dropped and tx-hw-drops do not grow
-    and the queue stops; and so on for a few toggles. After each phase:
+    starts after the switch, tx_dropped does not grow and the queue
+    stops; and so on for a few toggles. After each phase:
     no stall (the load stops, the backlog drains to 0, a fresh burst of
     100 arrives complete). The flag reads back as set; TUNGETIFF and
     tun_flags keep saying what the program asked for (nothing).
@@ -29,8 +29,8 @@ test_qstats_monotonic_across_detach: qstats lists one row per attached
     counts in the device totals, which never go back.
 test_counters_burst: 1000 x 1000 B into txqueuelen 25, paused reader,
     fq_codel: with backpressure (priv flag or IFF_BACKPRESSURE) the queue
-    stopped and woke, tx-hw-drops 0, all 1000 delivered; without it
-    tx-hw-drops == tx_dropped == 975 and no stop.
+    stopped and woke, tx_dropped 0, all 1000 delivered; without it
+    tx_dropped == 975 and no stop.
 test_openvpn_unmodified: Debian's OpenVPN (static key, tun on both ends,
     two netns over a veth) is the unmodified program: tail drops on the
     sending tun with the flag off, none once an operator switched it on.
@@ -78,21 +78,12 @@ def require_privflag(env, dev: str) -> None:
 
 
 def qcounters(dev: str, q: int | None = 0) -> dict | None:
-    """TX queue q's qstats {"stop", "wake", "hw_drops"} (q=None: the device
+    """TX queue q's qstats {"stop", "wake"} (q=None: the device
     totals, detached queues included); None without qstats or without q."""
     st = qstats(dev)
     if st is None:
         return None
     return st["total"] if q is None else st["queues"].get(q)
-
-
-def possible_cpus() -> int:
-    n = 0
-    with open("/sys/devices/system/cpu/possible") as f:
-        for part in f.read().strip().split(","):
-            lo, _, hi = part.partition("-")
-            n += int(hi or lo) - int(lo) + 1
-    return n
 
 
 def cdelta(a: dict | None, b: dict | None) -> dict | None:
@@ -195,15 +186,10 @@ def test_privflag_toggle_under_overload(env, record_property):
         record_property(f"phase{i}_{mode}_window_tx_dropped", d1 - d0)
         if on:
             assert d1 - d0 == 0, f"backpressure on: tx_dropped grew in the window; {row}"
-            assert win["hw_drops"] == 0, f"tx-hw-drops grew; {row}"
             assert win["stop"] > 0, f"overload but the queue never stopped; {row}"
         else:
             assert d1 - d0 > 0, f"backpressure off: expected legacy tail drops; {row}"
-            assert win["hw_drops"] > 0, f"tx-hw-drops did not grow; {row}"
             assert win["stop"] == 0, f"off, yet the queue was stopped; {row}"
-        # every drop of this phase (switch included) was a ring-full drop
-        assert row["phase_counters"]["hw_drops"] == row["phase_tx_dropped"], \
-            f"tx-hw-drops != tx_dropped over phase {i}; {row}"
     check_state(dev, TOGGLES[-1], t, "at the end")
     log("summary: " + "; ".join(
         f"{r['mode']}: window tx_dropped={r['window_tx_dropped']} "
@@ -289,10 +275,10 @@ def test_qstats_monotonic_across_detach(env, record_property):
     # that leaves a detached queue's index stopped until a queue is attached
     # there again (mainline's detach, so nodrop-7.3); 6.12 wakes it at detach
     again = seen[2][1]["queues"][1]
-    assert again["stop"] == 0 and again["hw_drops"] == 0 and again["wake"] <= 1, \
+    assert again["stop"] == 0 and again["wake"] <= 1, \
         f"a queue attached again counts from 0: {seen[2][1]}"
     for (wa, a), (wb, b) in zip(seen, seen[1:]):
-        for k in ("stop", "wake", "hw_drops"):
+        for k in ("stop", "wake"):
             assert b["total"][k] >= a["total"][k], \
                 f"device total {k} went back from '{wa}' to '{wb}': {a['total']} -> {b['total']}"
     record_property("total_stops", seen[-1][1]["total"]["stop"])
@@ -324,7 +310,7 @@ def test_counters_burst(env, mode, record_property):
     qspec = set_fq_codel(dev)
     reader = env.reader(t, paused=True)
     c0 = qcounters(dev)
-    assert c0 == {"stop": 0, "wake": 0, "hw_drops": 0}, \
+    assert c0 == {"stop": 0, "wake": 0}, \
         f"counters of a fresh queue: {c0} (qstats: {qstats(dev)})"
     d0 = tx_dropped(dev)
     s = env.burst(N, size=SIZE, ident=1, sndbuf=SNDBUF)
@@ -346,9 +332,8 @@ def test_counters_burst(env, mode, record_property):
     record_property("tx_dropped", d2)
     assert r["result"] == "ok" and got == expect, f"reader: {r}; {summary}"
     assert d2 == d1, f"drops while draining; {summary}"
-    assert c2["hw_drops"] == d2, f"tx-hw-drops != tx_dropped; {summary}"
     if on:
-        assert d2 == 0 and c2["hw_drops"] == 0, summary
+        assert d2 == 0, summary
         # paused reader: stopped once when the ring reached txqueuelen, never woken
         assert (c1["stop"], c1["wake"]) == (1, 0), summary
         assert q1["qlen"] == N - RING, summary
@@ -364,17 +349,17 @@ def test_counters_burst(env, mode, record_property):
             f"a wake at half the ring; {summary}"
         assert got == N, summary
     elif mode == "off":
-        assert d2 == N - RING and c2["hw_drops"] == N - RING, summary
+        assert d2 == N - RING, summary
         assert c2["stop"] == 0 and c2["wake"] == 0, summary
     else:
         # the ring keeps its backpressure size until the next txqueuelen
-        # change: txqueuelen + one slot per other possible CPU (at most 64)
-        # + room for a vhost-net batch (64) + ptr_ring's lazy-invalidation
-        # slack (15), so it holds more than RING
+        # change: txqueuelen + 64 late producers + a vhost-net batch (64)
+        # + ptr_ring's lazy-invalidation batch (16), so it holds more than
+        # RING
         held = N - d2
-        limit = RING + min(possible_cpus() - 1, 64) + 64 + 15
+        limit = RING + 64 + 64 + 16
         log(f"off after on: the ring held {held} (txqueuelen {RING}, at most "
-            f"{limit} = txqueuelen + min(possible CPUs - 1, 64) + 64 + 15)")
+            f"{limit} = txqueuelen + 64 + 64 + 16)")
         record_property("ring_held", held)
         assert RING < held <= limit, summary
         assert c2["stop"] == 0, summary
@@ -575,12 +560,10 @@ def _openvpn_run(env, phases, tmp: str, record_property) -> None:
         if mode == "off":
             assert res["tun_tx_dropped"] > 0, \
                 f"expected tail drops on {dev} with backpressure off: {res}"
-            if c is not None:
-                assert c["hw_drops"] == res["tun_tx_dropped"], res
         else:
             assert res["tun_tx_dropped"] == 0, \
                 f"backpressure on: tx_dropped grew on {dev}: {res}"
-            assert c["hw_drops"] == 0 and c["stop"] > 0, res
+            assert c["stop"] > 0, res
     log("summary: " + "; ".join(
         f"{r['mode']}: tun tx_dropped={r['tun_tx_dropped']} received_far="
         f"{r['received_far']}/{r['sent']} far_udp_rcvbuf_errors={r['far_udp_rcvbuf_errors']}"

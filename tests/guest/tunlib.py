@@ -398,7 +398,7 @@ _GENL_ID_CTRL, _CTRL_CMD_GETFAMILY = 0x10, 3
 _CTRL_ATTR_FAMILY_ID, _CTRL_ATTR_FAMILY_NAME = 1, 2
 _NETDEV_CMD_QSTATS_GET = 12
 _QSTATS_IFINDEX, _QSTATS_QUEUE_TYPE, _QSTATS_QUEUE_ID, _QSTATS_SCOPE = 1, 2, 3, 4
-_QSTATS_TX = {24: "hw_drops", 33: "stop", 34: "wake"}
+_QSTATS_TX = {33: "stop", 34: "wake"}
 _NLM_F_REQUEST, _NLM_F_DUMP, _NLMSG_ERROR, _NLMSG_DONE = 1, 0x300, 2, 3
 
 
@@ -489,7 +489,7 @@ def qdisc_drops(dev: str) -> int:
 
 def qstats(dev: str) -> dict | None:
     """The device's TX queue statistics from the netdev netlink family:
-    {"queues": {index: {"stop", "wake", "hw_drops"}}, "total": {...}}, the
+    {"queues": {index: {"stop", "wake"}}, "total": {...}}, the
     total being the device's (detached queues included). None when the
     device reports no queue statistics (a tun without NODROP's counters)."""
     ifindex = socket.if_nametoindex(dev)
