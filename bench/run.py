@@ -81,7 +81,7 @@ def main() -> int:
               "uname_v": uname.version, "bp_supported": ctx.bp,
               "features": hex(tl.get_features()), "quick": a.quick, "reps": a.reps,
               "cpus": os.cpu_count(), "boot": int(env.get("NODROP_BOOT") or 1),
-              "bql_sysfs": ctx.bql,
+              "bql_switch": ctx.bql,
               "clock": env.get("NODROP_CLOCK", "wall"),
               "default_qdisc": Path("/proc/sys/net/core/default_qdisc").read_text().strip()
               if Path("/proc/sys/net/core/default_qdisc").exists() else None}

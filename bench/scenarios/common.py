@@ -319,8 +319,8 @@ def configs(ctx, qlen: int | None = None, control: bool = False,
     """stock: no flag, the device's default qdisc; stock+fq_codel (control):
     no flag, fq_codel root, the control for bp's qdisc work; bp:
     IFF_BACKPRESSURE + fq_codel (default parameters: real AQM), only where
-    the kernel has it; bp-nobql (nobql): bp with BQL's limit lifted through
-    sysfs (bql_unlimited()), only where tun shows byte_queue_limits."""
+    the kernel has it; bp-nobql (nobql): bp with BQL off (bql_switch()),
+    only where tun has the "bql" private flag."""
     c = [{"name": "stock", "flag": 0, "qdisc": None, "qlen": qlen}]
     if control:
         c.append({"name": "stock+fq_codel", "flag": 0, "qdisc": "fq_codel", "qlen": qlen})
@@ -369,10 +369,6 @@ class Sysfs:
 
 
 BQL_DIR = "class/net/{dev}/queues/tx-{q}/byte_queue_limits"
-# "ours without BQL": BQL's minimum limit far above anything a ring of
-# txqueuelen packets can hold (DQL_MAX_LIMIT is about 1.9 GB), so the
-# queue stops at the ring's level only; accounting and completions still run
-BQL_NOLIMIT = 1 << 30
 
 
 def bql_state(fs: Sysfs, dev: str) -> dict | None:
@@ -395,31 +391,18 @@ def bql_dirs(fs: Sysfs, dev: str) -> list[str]:
             if n.startswith("tx-") and os.path.isdir(fs.path(f"{base}/{n}/byte_queue_limits"))]
 
 
-def bql_limit_min(fs: Sysfs, dev: str, value: int, need: bool) -> None:
-    """Write limit_min of every TX queue of dev and read it back. need: the
-    configuration depends on it (bp-nobql), so a missing directory is an
-    error; otherwise (restoring the default 0) it is a no-op."""
-    dirs = bql_dirs(fs, dev)
-    if not dirs:
-        if need:
-            raise RuntimeError(
-                f"{dev}: no /sys/class/net/{dev}/queues/tx-*/byte_queue_limits: "
-                "'bp-nobql' lifts BQL's limit through limit_min there, and this "
-                "kernel does not show byte_queue_limits for tun (the lab kernels' "
-                "net-sysfs patch does)")
-        return
-    for d in dirs:
-        fs.write(f"{d}/limit_min", value)
-        got = fs.read_int(f"{d}/limit_min")
-        if got != value:
-            raise RuntimeError(f"{dev}: wrote {value} to {d}/limit_min, read back {got}")
-
-
-def bql_unlimited(fs: Sysfs, dev: str, off: bool) -> None:
-    """off: "ours without BQL" (limit_min = BQL_NOLIMIT on every TX queue;
-    fails without byte_queue_limits); else BQL as the kernel has it
-    (limit_min 0, the default)."""
-    bql_limit_min(fs, dev, BQL_NOLIMIT if off else 0, need=off)
+def bql_switch(dev: str, off: bool) -> None:
+    """off: "ours without BQL", tun's "bql" ethtool private flag off (the
+    queue stops at the ring's level only, nothing accounted); else BQL as
+    the kernel has it (the flag on, its default). Run in the device's netns.
+    Lifting BQL's limit through sysfs (limit_min) is not the same: DQL's
+    room is also the qdisc's bulk dequeue budget, which then hands the
+    whole backlog over at once."""
+    if tl.has_priv_flag(dev, "bql"):
+        tl.set_priv_flag(dev, "bql", not off)
+    elif off:
+        raise RuntimeError(f"{dev}: no 'bql' ethtool private flag: bp-nobql cannot be "
+                           "configured on this kernel")
 
 
 # --- the VPN path: tunnel A (nsA) <-UDP over veth-> tunnel B (nsB) -------------
@@ -483,9 +466,10 @@ class VPN:
 
     def apply_bql(self, cfg: dict):
         """cfg["bql"] == "off": "ours without BQL" on both tuns
-        (bql_unlimited()); otherwise BQL as the kernel has it."""
-        for fs, dev in ((self.fs_a, "tA"), (self.fs_b, "tB")):
-            bql_unlimited(fs, dev, cfg.get("bql") == "off")
+        (bql_switch()); otherwise BQL as the kernel has it."""
+        for ns, dev in ((self.a, "tA"), (self.b, "tB")):
+            with ns:
+                bql_switch(dev, cfg.get("bql") == "off")
 
     def iperf_server(self, port: int = 5201) -> subprocess.Popen:
         """One iperf3 server per VPN (nsB), reused by every test."""
@@ -774,7 +758,7 @@ def pktgen_point(tools: str, cfg: dict, threads: int, mode: str, vnet: bool,
             if not bypass:
                 no_qdisc_bypass("pg0", cfg["qdisc"])
             fs = Sysfs(procs)
-            bql_unlimited(fs, "pg0", cfg.get("bql") == "off")
+            bql_switch("pg0", cfg.get("bql") == "off")
             devs = pktgen_setup("pg0", threads, mode)
             if devs is None:
                 point["error"] = f"fewer than {threads} pktgen threads"
@@ -829,11 +813,11 @@ def say_pktgen(tag: str, pt: dict) -> None:
 
 
 def has_bql() -> bool:
-    """A tun with backpressure shows byte_queue_limits (our kernels: BQL
-    under backpressure; the bench runs in the netns /sys was mounted in)."""
+    """A tun with backpressure has the "bql" private flag (our kernels: BQL
+    under backpressure, switchable)."""
     t = tl.Tun("ndbqlprobe", IFF_TUN | IFF_NO_PI | BP)
     try:
-        return os.path.isdir(f"/sys/{BQL_DIR.format(dev=t.name, q=0)}")
+        return tl.has_priv_flag(t.name, "bql")
     finally:
         t.close()
 
@@ -849,10 +833,9 @@ class Ctx:
         self.tools = tools
         self.bp = tl.has_backpressure()
         self.bql = self.bp and has_bql()
-        if tl.declares("bql-sysfs") and not self.bql:
-            raise RuntimeError("the flavor declares bql-sysfs, but a tun with backpressure "
-                               "shows no queues/tx-0/byte_queue_limits in sysfs: "
-                               "bp-nobql cannot be configured")
+        if tl.declares("bql") and not self.bql:
+            raise RuntimeError("the flavor declares bql, but a tun with backpressure has "
+                               "no 'bql' private flag: bp-nobql cannot be configured")
 
     def dur(self, full: float, quick: float) -> float:
         if self.duration:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from .common import (IFF_NO_PI, IFF_TAP, NS, Procs, Sysfs, bql_unlimited, configs,
+from .common import (IFF_NO_PI, IFF_TAP, NS, Procs, bql_switch, configs,
                      mech_snap, pg_counts, pktgen_available, pktgen_reps, pktgen_setup,
                      qdisc_counts, say, sh, summ, tl)
 
@@ -51,7 +51,7 @@ def point(ctx, cfg: dict, delay_us: int, d: float) -> dict:
                 readers.append(tl.Reader(procs.spawn(argv, text=False), f"pg0 q{q}"))
             tl.setup_ip("pg0", tap=True, txqueuelen=500)
             pt["qdisc"] = steer("pg0", cfg.get("qdisc") == "fq_codel")
-            bql_unlimited(Sysfs(procs), "pg0", cfg.get("bql") == "off")
+            bql_switch("pg0", cfg.get("bql") == "off")
             devs = pktgen_setup("pg0", 1, "queue_xmit", udp_dst=(9, 10))
 
             def snap():
