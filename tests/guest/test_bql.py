@@ -148,7 +148,8 @@ def test_bql_ring_holds_limit(env, kind, record_property):
 
 def test_bql_switch_off(env, record_property):
     """What the bench calls "ours without BQL": the "bql" private flag off,
-    after traffic with BQL on (DQL has completed bytes)."""
+    after traffic with BQL on (DQL has completed bytes) and under a backlog
+    BQL left in the qdisc: the switch resets BQL and runs the qdisc."""
     t = env.tun("ndbql0", IFF_TUN | IFF_NO_PI | env.bp_flag())
     if not has_priv_flag(t.name, "bql"):
         lacks("bql", "no 'bql' ethtool private flag (no BQL in this tun)")
@@ -160,17 +161,20 @@ def test_bql_switch_off(env, record_property):
     assert reader.wait("id3", N, stall_s=60)["result"] == "ok"
     quiesce([reader], t.name)
     reader.pause()
-    set_priv_flag(t.name, "bql", False)
-    q0 = root_qdisc(t.name)
     r = env.burst(N, size=SIZE, ident=1, sndbuf=SNDBUF)
     assert r["ok"] == N, r
+    held = N - wait_tx_settled(t.name)["qlen"]
+    q0 = root_qdisc(t.name)
+    set_priv_flag(t.name, "bql", False)
     wait_tx_settled(t.name)
     q = root_qdisc(t.name)
     b = bql(t.name)
     requeues = q["requeues"] - q0["requeues"]
-    summary = f"bql off: qdisc {qsummary(q)} requeues +{requeues} bql {b}"
+    summary = (f"bql on: the ring held {held}; bql off: qdisc {qsummary(q)} "
+               f"requeues +{requeues} bql {b}")
     log(summary)
     record_property("requeues", requeues)
+    assert held < RING, f"BQL did not keep the backlog in the qdisc: {summary}"
     assert tx_dropped(t.name) == 0, summary
     assert q["qlen"] == N - RING, f"the ring did not stop at txqueuelen; {summary}"
     if b is not None:
