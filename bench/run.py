@@ -33,7 +33,7 @@ time of the run).
 Feature detection only: TUNGETFEATURES & IFF_BACKPRESSURE (0x0080) decides
 whether the "bp" configuration (flag + fq_codel) is measured next to
 "stock" (and "stock+fq_codel" in the pktgen scenarios); a tun with
-backpressure that shows byte_queue_limits in sysfs adds "bp-nobql". The
+backpressure that has the "bql" ethtool private flag adds "bp-nobql". The
 flavor name is never looked at.
 """
 

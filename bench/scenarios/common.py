@@ -19,9 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import statistics
-import struct
 import subprocess
 import sys
 import time
@@ -368,27 +366,16 @@ class Sysfs:
             f.write(str(value))
 
 
-BQL_DIR = "class/net/{dev}/queues/tx-{q}/byte_queue_limits"
+BQL_DIR = "class/net/{dev}/queues/tx-0/byte_queue_limits"
 
 
 def bql_state(fs: Sysfs, dev: str) -> dict | None:
     """Queue 0's BQL limit and bytes in flight, None without byte_queue_limits."""
-    d = BQL_DIR.format(dev=dev, q=0)
+    d = BQL_DIR.format(dev=dev)
     limit = fs.read_int(f"{d}/limit")
     if limit is None:
         return None
     return {"limit": limit, "inflight": fs.read_int(f"{d}/inflight")}
-
-
-def bql_dirs(fs: Sysfs, dev: str) -> list[str]:
-    """byte_queue_limits of every TX queue of dev (sysfs of its netns)."""
-    base = f"class/net/{dev}/queues"
-    try:
-        names = os.listdir(fs.path(base))
-    except FileNotFoundError:
-        return []
-    return [f"{base}/{n}/byte_queue_limits" for n in sorted(names)
-            if n.startswith("tx-") and os.path.isdir(fs.path(f"{base}/{n}/byte_queue_limits"))]
 
 
 def bql_switch(dev: str, off: bool) -> None:

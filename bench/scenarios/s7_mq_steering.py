@@ -9,7 +9,7 @@ that pin the flows to queues the way operators do it:
 pktgen (1 thread, queue_xmit, 64-byte frames) alternates the two ports.
 stock: no flag, multiq's default pfifo bands; stock+fq_codel: no flag, an
 fq_codel per band; bp: IFF_BACKPRESSURE and an fq_codel per band; bp-nobql:
-bp with BQL's limit lifted on both queues. The question: when the slow queue is stopped, does the
+bp with tun's "bql" private flag off. The question: when the slow queue is stopped, does the
 fast queue keep its rate (multiq dequeues from bands whose queue runs), and
 where do the slow flow's excess packets go (ring drops vs qdisc drops)?
 """
