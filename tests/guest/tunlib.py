@@ -491,11 +491,16 @@ def qstats(dev: str) -> dict | None:
     """The device's TX queue statistics from the netdev netlink family:
     {"queues": {index: {"stop", "wake"}}, "total": {...}}, the
     total being the device's (detached queues included). None when the
-    device reports no queue statistics (a tun without NODROP's counters)."""
+    device reports no queue statistics (a tun without NODROP's counters).
+    A kernel without that family (6.1) reports them through ethtool -S
+    (ethtool_qstats())."""
     ifindex = socket.if_nametoindex(dev)
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 16) as sk:  # NETLINK_GENERIC
-        fam = _genl(sk, _GENL_ID_CTRL, _CTRL_CMD_GETFAMILY,
-                    nla(_CTRL_ATTR_FAMILY_NAME, b"netdev\0"), dump=False)
+        try:
+            fam = _genl(sk, _GENL_ID_CTRL, _CTRL_CMD_GETFAMILY,
+                        nla(_CTRL_ATTR_FAMILY_NAME, b"netdev\0"), dump=False)
+        except FileNotFoundError:              # no netdev netlink family
+            return ethtool_qstats(dev)
         family = struct.unpack("=H", fam[0][_CTRL_ATTR_FAMILY_ID][:2])[0]
 
         def dump(scope: int) -> list[dict]:
@@ -552,6 +557,59 @@ def rtnl_barrier(dev: str) -> None:
     ifr = struct.pack(f"={IFNAMSIZ}sQ", dev.encode(), ctypes.addressof(buf))
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sk:
         fcntl.ioctl(sk.fileno(), _SIOCETHTOOL, ifr.ljust(_IFREQ_SIZE, b"\0"))
+
+
+_ETHTOOL_GSTRINGS, _ETHTOOL_GSTATS, _ETHTOOL_GSSET_INFO = 0x1b, 0x1d, 0x37
+_ETH_SS_STATS, _ETH_GSTRING_LEN = 1, 32
+
+
+def _ethtool(dev: str, req: bytes, size: int) -> bytes:
+    """One SIOCETHTOOL request (req: the command's struct head) with a
+    reply buffer of `size` bytes; no spawn."""
+    buf = ctypes.create_string_buffer(req, max(size, len(req)))
+    ifr = struct.pack(f"={IFNAMSIZ}sQ", dev.encode(), ctypes.addressof(buf))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sk:
+        fcntl.ioctl(sk.fileno(), _SIOCETHTOOL, ifr.ljust(_IFREQ_SIZE, b"\0"))
+    return buf.raw
+
+
+def ethtool_stats(dev: str) -> dict[str, int]:
+    """`ethtool -S dev` as {name: value} ({} when the driver has none)."""
+    try:
+        info = _ethtool(dev, struct.pack("=IIQ", _ETHTOOL_GSSET_INFO, 0, 1 << _ETH_SS_STATS),
+                        20)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return {}
+        raise
+    mask, = struct.unpack_from("=Q", info, 8)
+    n = struct.unpack_from("=I", info, 16)[0] if mask & (1 << _ETH_SS_STATS) else 0
+    if not n:
+        return {}
+    names = _ethtool(dev, struct.pack("=III", _ETHTOOL_GSTRINGS, _ETH_SS_STATS, n),
+                     12 + n * _ETH_GSTRING_LEN)
+    vals = _ethtool(dev, struct.pack("=II", _ETHTOOL_GSTATS, n), 8 + 8 * n)
+    got = struct.unpack_from("=I", vals, 4)[0]
+    if got != n:                           # queues changed in between: ask again
+        return ethtool_stats(dev)
+    return {names[12 + i * 32:12 + (i + 1) * 32].split(b"\0")[0].decode():
+            struct.unpack_from("=Q", vals, 8 + 8 * i)[0] for i in range(n)}
+
+
+def ethtool_qstats(dev: str) -> dict | None:
+    """qstats() where the kernel has no netdev netlink family (6.1): the
+    series reports the same counters through ethtool -S, the device's
+    totals as tx_stop / tx_wake and each queue's as tx_queue_<n>_stop /
+    tx_queue_<n>_wake. None when the device has no such counters."""
+    st = ethtool_stats(dev)
+    if "tx_stop" not in st:
+        return None
+    queues: dict[int, dict] = {}
+    for k, v in st.items():
+        parts = k.split("_")
+        if len(parts) == 4 and parts[:2] == ["tx", "queue"] and parts[3] in ("stop", "wake"):
+            queues.setdefault(int(parts[2]), {})[parts[3]] = v
+    return {"queues": queues, "total": {"stop": st["tx_stop"], "wake": st["tx_wake"]}}
 
 
 def tun_flags_sysfs(dev: str) -> int:
