@@ -8,6 +8,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -479,10 +480,39 @@ def bench_boots() -> int:
     return int(v)
 
 
+def _bench_resume_dir() -> Path | None:
+    """RESUME=<results dir of an interrupted make bench>: finish that run."""
+    v = os.environ.get("RESUME", "").strip()
+    if not v:
+        return None
+    d = Path(v) if os.path.isabs(v) else (REPO / v)
+    if not (d / "kind").is_file() or (d / "kind").read_text().strip() != "bench":
+        raise LabError(f"RESUME={v}: not the results directory of a make bench run", rc=2)
+    return d
+
+
+def _boot_done(rw: Path, b: Built) -> dict | None:
+    """The meta.json of boot directory rw if it holds a complete boot of b's
+    kernel (an interrupted run's boot is redone). A boot of another series or config is an error:
+    one run measures one kernel per flavor."""
+    try:
+        m = json.loads((rw / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if (m.get("series", {}).get("sha256"), m.get("config", {}).get("hash")) != \
+            (b.series_hash, b.config_hash):
+        raise LabError(f"RESUME: {rw} was measured with another kernel of "
+                       f"{b.flavor.name} (series or config changed since); "
+                       "start a new run instead", rc=2)
+    done = m.get("guest", {}).get("rc") == 0 and (rw / "run.json").is_file()
+    return m if done else None
+
+
 def cmd_bench(flavors: list[Flavor]) -> int:
     """Build every flavor, then boot them in turns (A B C A B C ...), each
     boot running bench/run into <results>/<flavor>/boot-<n>/, and
-    bench/report over all of them."""
+    bench/report over all of them. RESUME=<that results dir> finishes an
+    interrupted run: complete boots are kept, the others are run again."""
     clock = bench_clock()
     if clock not in CLOCK_OPTS:
         raise LabError(f"CLOCK={clock}: valid clocks are {', '.join(CLOCK_OPTS)}", rc=2)
@@ -491,7 +521,22 @@ def cmd_bench(flavors: list[Flavor]) -> int:
                                     if CLOCK_OPTS[clock] else "")
         + f"; {boots} boot(s) per flavor, interleaved")
     tools = build_tools()
-    out = new_results_dir("bench")
+    knobs = {"clock": clock, "boots": boots, "env": passthrough_env(),
+             "flavors": [fl.name for fl in flavors]}
+    out = _bench_resume_dir()
+    if out is None:
+        out = new_results_dir("bench")
+        (out / "knobs.json").write_text(json.dumps(knobs, indent=2) + "\n")
+    else:
+        try:
+            was = json.loads((out / "knobs.json").read_text())
+        except (OSError, ValueError):
+            raise LabError(f"RESUME: {out} has no knobs.json (a run from before RESUME "
+                           "existed); start a new run instead", rc=2) from None
+        if was != knobs:
+            raise LabError(f"RESUME: {out} ran with {json.dumps(was)}; this command has "
+                           f"{json.dumps(knobs)}: give the same flavors and knobs", rc=2)
+        say(f"resuming {out}")
     rows = []
     built = []
     bad = False
@@ -516,6 +561,13 @@ def cmd_bench(flavors: list[Flavor]) -> int:
     for n in range(1, boots + 1):
         for fl, b, row in built:
             rw = out / fl.name / f"boot-{n}"
+            if (done := _boot_done(rw, b)) is not None:
+                say(f"{fl.name}: boot {n} of {boots} done before (RESUME)")
+                row["uname"] = done["guest"].get("uname_r") or row["uname"]
+                row["boots"].append("ok")
+                row["bench"] = f"ok {row['boots'].count('ok')}/{len(row['boots'])}"
+                continue
+            shutil.rmtree(rw, ignore_errors=True)
             rw.mkdir(parents=True)
             say(f"{fl.name}: boot {n} of {boots}")
             env = _env_for(b, rw, tools)
