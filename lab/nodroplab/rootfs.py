@@ -58,7 +58,9 @@ DEBIAN_MIRROR = "http://deb.debian.org/debian"   # a [rootfs.*] flavor's default
 POLICY_RC = "#!/bin/sh\n# nodrop lab: never start services in this chroot\nexit 101\n"
 
 
-KERNEL_RE = r"linux-image-({line}\.[0-9]+)\+([a-z0-9]+)-amd64"   # Debian's amd64 flavour
+# Debian's amd64 flavour: 6.12.118+deb13-amd64; Debian 12's 6.1 kernels are
+# named by their ABI instead, 6.1.0-41-amd64 (Linux 6.1.y, y in the version)
+KERNEL_RE = r"linux-image-({line}\.[0-9]+(?:\+[a-z0-9]+|-[0-9]+))-amd64"
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,14 @@ def mainline_flag() -> bool:
     return (major, minor) >= (7, 3)
 
 
+def linux_version() -> str:
+    """The running kernel's Linux version X.Y.Z: Debian names its 6.12 and
+    later kernels by it (6.12.118+deb13-amd64), Debian 12's 6.1 kernels by
+    their ABI (6.1.0-41-amd64), whose `uname -v` says "Debian 6.1.192-2"."""
+    m = re.search(r"\bDebian ([0-9]+\.[0-9]+\.[0-9]+)", platform.version())
+    return m.group(1) if m else platform.release().split("+")[0].split("-")[0]
+
+
 def loaded_version(mod: str) -> str | None:
     try:
         with open(f"/sys/module/{mod}/version") as f:
@@ -80,7 +89,7 @@ def test_module_origin(mod):
         assert tag.startswith(f"{NAME}-dkms "), f"no {NAME} modinfo tag in {fn}"
         # the module in memory is ours, not an in-tree one loaded earlier,
         # and says which Linux version it was made from: this kernel's
-        up = kver.split("+")[0].split("-")[0]
+        up = linux_version()
         want = f"{NAME}{os.environ.get('NODROP_DKMS_VERSION', '')}+{up}+s"
         assert ver and want in ver, f"/sys/module/{mod}/version {ver!r}, expected {want}..."
         assert f"Linux {up}" in tag and " series " in tag, tag
