@@ -495,19 +495,35 @@ def _bench_resume_dir() -> Path | None:
     return d
 
 
-def _boot_done(rw: Path, b: Built) -> dict | None:
-    """The meta.json of boot directory rw if it holds a complete boot of b's
-    kernel (an interrupted run's boot is redone). A boot of another series or config is an error:
-    one run measures one kernel per flavor."""
+def _boot_meta(rw: Path) -> dict | None:
     try:
-        m = json.loads((rw / "meta.json").read_text())
+        return json.loads((rw / "meta.json").read_text())
     except (OSError, ValueError):
         return None
-    if (m.get("series", {}).get("sha256"), m.get("config", {}).get("hash")) != \
-            (b.series_hash, b.config_hash):
-        raise LabError(f"RESUME: {rw} was measured with another kernel of "
-                       f"{b.flavor.name} (series or config changed since); "
-                       "start a new run instead", rc=2)
+
+
+def _same_kernel(m: dict, b: Built) -> bool:
+    return (m.get("series", {}).get("sha256"), m.get("config", {}).get("hash")) == \
+        (b.series_hash, b.config_hash)
+
+
+def _bench_resume_flavor(out: Path, b: Built) -> None:
+    """One run measures one kernel per flavor: if a flavor's series or config
+    changed since its first boots, all its boots run again."""
+    d = out / b.flavor.name
+    old = [m for rw in sorted(d.glob("boot-*")) if (m := _boot_meta(rw)) is not None]
+    if any(not _same_kernel(m, b) for m in old):
+        say(f"{b.flavor.name}: its kernel changed since the interrupted run "
+            f"(series {b.series_hash[:12]} now): all its boots run again")
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _boot_done(rw: Path, b: Built) -> dict | None:
+    """The meta.json of boot directory rw if it holds a complete boot of b's
+    kernel (an interrupted run's boot is redone)."""
+    m = _boot_meta(rw)
+    if m is None or not _same_kernel(m, b):
+        return None
     done = m.get("guest", {}).get("rc") == 0 and (rw / "run.json").is_file()
     return m if done else None
 
@@ -516,7 +532,8 @@ def cmd_bench(flavors: list[Flavor]) -> int:
     """Build every flavor, then boot them in turns (A B C A B C ...), each
     boot running bench/run into <results>/<flavor>/boot-<n>/, and
     bench/report over all of them. RESUME=<that results dir> finishes an
-    interrupted run: complete boots are kept, the others are run again."""
+    interrupted run: complete boots are kept, the others are run again, and
+    every boot of a flavor whose kernel changed since."""
     clock = bench_clock()
     if clock not in CLOCK_OPTS:
         raise LabError(f"CLOCK={clock}: valid clocks are {', '.join(CLOCK_OPTS)}", rc=2)
@@ -528,6 +545,7 @@ def cmd_bench(flavors: list[Flavor]) -> int:
     knobs = {"clock": clock, "boots": boots, "env": passthrough_env(),
              "flavors": [fl.name for fl in flavors]}
     out = _bench_resume_dir()
+    resuming = out is not None
     if out is None:
         out = new_results_dir("bench")
         (out / "knobs.json").write_text(json.dumps(knobs, indent=2) + "\n")
@@ -562,6 +580,9 @@ def cmd_bench(flavors: list[Flavor]) -> int:
     # runs in the guest from the repo root; it writes into $NODROP_BENCH_OUT.
     cmd = (f"if [ -x {shlex.quote(str(BENCH))} ]; then {shlex.quote(str(BENCH))}; "
            f"else echo 'no bench/run yet: kernel matrix only'; uname -a; fi")
+    if resuming:
+        for _fl, b, _row in built:
+            _bench_resume_flavor(out, b)
     for n in range(1, boots + 1):
         for fl, b, row in built:
             rw = out / fl.name / f"boot-{n}"
