@@ -198,6 +198,11 @@ def _linux_version(kernel: str, version: str) -> str:
     return up if up.startswith(kernel.split(".")[0] + ".") else kernel.split("+")[0].split("-")[0]
 
 
+def _kernel_line(kernel: str) -> str:
+    """The Linux line X.Y of a Debian kernel name (6.1.0-41-amd64 -> 6.1)."""
+    return ".".join(re.split(r"[.+-]", kernel)[:2])
+
+
 def _built_for(root: Path, rf: RootfsFlavor, kernel: str, kversion: str, origin: str,
                log: Path) -> str:
     """dkms installed our modules for kernel (Debian version `kversion`), made
@@ -276,7 +281,7 @@ def prepare(rf: RootfsFlavor, rw: Path, deb: Path, work: Path) -> None:
             # headers without their image: one line either way, apt never
             # fails; a line the package lacks gets that note, one it has is
             # built or says why not (Debian 12's 6.12 headers next to 6.1)
-            has = ".".join(re.split(r"[.+-]", o)[:2]) in sp.lines
+            has = _kernel_line(o) in sp.lines
             lines = _one_line(out, o)
             _expect(len(lines) == 1 and (has or "no NODROP series" in lines[0]),
                     f"not one line from nodrop-dkms about the other kernel {o}", out)
@@ -307,7 +312,7 @@ def prepare(rf: RootfsFlavor, rw: Path, deb: Path, work: Path) -> None:
 
     # a line the package lacks: dkms itself refuses it (BUILD_EXCLUSIVE);
     # Debian 12 and 13 have no such line left (6.1, 6.12, 7.3 all have a series)
-    lacking = [o for o in others if ".".join(re.split(r"[.+-]", o)[:2]) not in sp.lines]
+    lacking = [o for o in others if _kernel_line(o) not in sp.lines]
     if lacking:
         def other_kernel_dkms():
             o = lacking[0]

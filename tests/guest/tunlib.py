@@ -553,10 +553,7 @@ def rtnl_barrier(dev: str) -> None:
     and then (de)activates the qdiscs under RTNL, and RTM_GETLINK reads
     without it on newer kernels (7.x): after an operstate "up" followed by
     this barrier, the qdisc is active again. No spawn."""
-    buf = ctypes.create_string_buffer(struct.pack("=I", _ETHTOOL_GDRVINFO), _DRVINFO_SIZE)
-    ifr = struct.pack(f"={IFNAMSIZ}sQ", dev.encode(), ctypes.addressof(buf))
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sk:
-        fcntl.ioctl(sk.fileno(), _SIOCETHTOOL, ifr.ljust(_IFREQ_SIZE, b"\0"))
+    _ethtool(dev, struct.pack("=I", _ETHTOOL_GDRVINFO), _DRVINFO_SIZE)
 
 
 _ETHTOOL_GSTRINGS, _ETHTOOL_GSTATS, _ETHTOOL_GSSET_INFO = 0x1b, 0x1d, 0x37
