@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import fnmatch
 import json
 import os
@@ -11,6 +12,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -484,6 +487,57 @@ def bench_boots() -> int:
     return int(v)
 
 
+def bench_jobs(clock: str) -> int:
+    """GUESTS: bench guests booted at the same time. Under icount a guest's
+    figures count instructions and do not move with host load (docs/bench.md,
+    "Clock"), and QEMU runs an icount guest in one host thread: default one
+    guest per host core, at most 2. Under CLOCK=wall guests would measure
+    each other: 1, and GUESTS>1 is refused."""
+    v = os.environ.get("GUESTS", "").strip()
+    if not v:
+        return 1 if clock == "wall" else max(1, min(2, os.cpu_count() or 1))
+    if not v.isdigit() or int(v) < 1:
+        raise LabError(f"GUESTS={v}: a number of guests booted at once, at least 1", rc=2)
+    if clock == "wall" and int(v) > 1:
+        raise LabError(f"GUESTS={v} with CLOCK=wall: guests on a wall clock would measure "
+                       "each other's load; GUESTS>1 needs CLOCK=icount", rc=2)
+    return int(v)
+
+
+class _HostRecord:
+    """host.json of a bench run: when its boots ran, how many guests at a
+    time, and the host's 1-minute load average sampled every minute beside
+    them (bench/report prints it under "Run time"). A RESUME adds a part."""
+
+    def __init__(self, path: Path, guests: int) -> None:
+        self.path = path
+        try:
+            self.parts = json.loads(path.read_text()).get("parts", [])
+        except (OSError, ValueError):
+            self.parts = []
+        self.part = {"started": now_iso(), "guests": guests, "cpus": os.cpu_count(),
+                     "load1": []}
+        self.t0 = time.monotonic()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        while True:
+            try:
+                self.part["load1"].append(float(Path("/proc/loadavg").read_text().split()[0]))
+            except (OSError, ValueError, IndexError):
+                pass
+            if self.stop.wait(60):
+                return
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.part.update(ended=now_iso(), wall_seconds=round(time.monotonic() - self.t0, 1))
+        self.path.write_text(json.dumps({"parts": [*self.parts, self.part]}, indent=1) + "\n")
+
+
 def _bench_resume_dir() -> Path | None:
     """RESUME=<results dir of an interrupted make bench>: finish that run."""
     v = os.environ.get("RESUME", "").strip()
@@ -584,40 +638,69 @@ def cmd_bench(flavors: list[Flavor]) -> int:
     if resuming:
         for _fl, b, _row in built:
             _bench_resume_flavor(out, b)
+    jobs = bench_jobs(clock)
+    if jobs > 1:
+        say(f"{jobs} guests at a time (GUESTS={jobs}; icount: their figures do not move "
+            "with host load, docs/bench.md)")
+    # the boots in their interleaved order (A B C A B C ...); a boot that
+    # RESUME finds complete is counted and skipped
+    todo = []
     for n in range(1, boots + 1):
         for fl, b, row in built:
             rw = out / fl.name / f"boot-{n}"
             if (done := _boot_done(rw)) is not None:
                 say(f"{fl.name}: boot {n} of {boots} done before (RESUME)")
                 row["uname"] = done["guest"].get("uname_r") or row["uname"]
-                row["boots"].append("ok")
-                row["bench"] = f"ok {row['boots'].count('ok')}/{len(row['boots'])}"
+                row["boots"].append((n, "ok"))
                 continue
-            shutil.rmtree(rw, ignore_errors=True)
-            rw.mkdir(parents=True)
-            say(f"{fl.name}: boot {n} of {boots}")
-            env = _env_for(b, rw, tools)
-            env.update(NODROP_BENCH_OUT=str(rw), NODROP_CLOCK=clock, NODROP_BOOT=str(n))
-            res = boot_and_run(b.bzimage, cmd, rw, env=env, cwd=REPO, timeout=timeout_s(7200),
-                               clock=clock)
+            todo.append((n, fl, b, row, rw))
+    lock = threading.Lock()
+
+    def one_boot(n: int, fl: Flavor, b: Built, row: dict, rw: Path) -> bool:
+        shutil.rmtree(rw, ignore_errors=True)
+        rw.mkdir(parents=True)
+        say(f"{fl.name}: boot {n} of {boots}")
+        env = _env_for(b, rw, tools)
+        env.update(NODROP_BENCH_OUT=str(rw), NODROP_CLOCK=clock, NODROP_BOOT=str(n))
+        res = boot_and_run(b.bzimage, cmd, rw, env=env, cwd=REPO, timeout=timeout_s(7200),
+                           clock=clock, relay=jobs == 1)
+        if res.rc is None:
+            verdict = "boot failed" if not res.booted else "guest died"
+            say(report_failure(res, f"{fl.name} boot {n}"))
+        else:
+            verdict = "ok" if res.rc == 0 else f"exit {res.rc}"
+            if jobs > 1:
+                say(f"{fl.name}: boot {n} of {boots}: {verdict} (guest output: {rw}/stdout)")
+        _write_meta(rw, _meta(b, res, {"command": cmd, "clock": clock, "boot": n,
+                                       "boots": boots,
+                                       "qemu_clock_opts": " ".join(CLOCK_OPTS[clock])}))
+        with lock:
             row["uname"] = res.uname or row["uname"]
             if res.boot_seconds:
-                row["boot"] = f"{res.boot_seconds:.1f}s" if row["boot"] == "-" \
-                    else f"{row['boot']} {res.boot_seconds:.1f}s"
-            if res.rc is None:
-                row["boots"].append("boot failed" if not res.booted else "guest died")
-                say(report_failure(res, f"{fl.name} boot {n}"))
-                bad = True
-            else:
-                row["boots"].append("ok" if res.rc == 0 else f"exit {res.rc}")
-                bad |= res.rc != 0
-            _write_meta(rw, _meta(b, res, {"command": cmd, "clock": clock, "boot": n,
-                                           "boots": boots,
-                                           "qemu_clock_opts": " ".join(CLOCK_OPTS[clock])}))
-            ok = row["boots"].count("ok")
-            row["bench"] = f"ok {ok}/{len(row['boots'])}" + \
-                "".join(f", boot {i + 1}: {x}" for i, x in enumerate(row["boots"]) if x != "ok") + \
-                ("" if BENCH.exists() else " (no bench/run)")
+                row["boot_s"].append((n, res.boot_seconds))
+            row["boots"].append((n, verdict))
+        return verdict == "ok"
+
+    for _fl, _b, row in built:
+        row["boot_s"] = []
+    host = _HostRecord(out / "host.json", jobs)
+    try:
+        if jobs == 1:
+            results = [one_boot(*t) for t in todo]
+        else:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+                results = list(pool.map(lambda t: one_boot(*t), todo))
+    finally:
+        host.close()
+    bad |= not all(results)
+    for _fl, _b, row in built:
+        verdicts = [v for _n, v in sorted(row["boots"])]
+        secs = [f"{s:.1f}s" for _n, s in sorted(row.pop("boot_s"))]
+        row["boot"] = " ".join(secs) or "-"
+        row["boots"] = verdicts
+        row["bench"] = f"ok {verdicts.count('ok')}/{len(verdicts)}" + \
+            "".join(f", boot {i + 1}: {x}" for i, x in enumerate(verdicts) if x != "ok") + \
+            ("" if BENCH.exists() else " (no bench/run)")
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     if os.access(BENCH_REPORT, os.X_OK):
         dirs = [str(out / r["flavor"]) for r in rows
