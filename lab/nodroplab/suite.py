@@ -135,6 +135,7 @@ def _meta(b: Built, res: GuestResult | None, extra: dict | None = None) -> dict:
         "build_dir": str(b.build_dir),
         "build": {"reused": b.reused, "seconds": b.build_seconds},
         "host": {"kernel": platform.release(), "python": lab_python()},
+        "repo": _repo_state(),
         "finished": now_iso(),
     }
     if res is not None:
@@ -144,6 +145,17 @@ def _meta(b: Built, res: GuestResult | None, extra: dict | None = None) -> dict:
                       "wall_seconds": _r(res.wall_seconds), "timed_out": res.timed_out}
     m.update(extra or {})
     return m
+
+
+def _repo_state() -> dict:
+    """The checkout a result came from: commit, and whether files differed
+    from it (a figure names the commit it was measured at)."""
+    def git(*args: str) -> str:
+        r = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+                           check=False)
+        return r.stdout.strip() if r.returncode == 0 else ""
+    return {"commit": git("rev-parse", "HEAD") or None,
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 def _r(x):
