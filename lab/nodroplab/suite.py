@@ -148,14 +148,16 @@ def _meta(b: Built, res: GuestResult | None, extra: dict | None = None) -> dict:
 
 
 def _repo_state() -> dict:
-    """The checkout a result came from: commit, and whether files differed
-    from it (a figure names the commit it was measured at)."""
+    """The checkout a result came from: commit, and whether what is measured
+    (patches, lab, bench, tests, tools) differed from it (a figure names the
+    commit it was measured at; docs edits do not count)."""
     def git(*args: str) -> str:
         r = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
                            check=False)
         return r.stdout.strip() if r.returncode == 0 else ""
     return {"commit": git("rev-parse", "HEAD") or None,
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--",
+                              "patches", "lab", "bench", "tests", "tools"))}
 
 
 def _r(x):
