@@ -92,7 +92,7 @@ SPLAT_RE = re.compile(
     r"Workqueue .* hung|unreferenced object|list_(add|del) corruption")
 OURS_RE = re.compile(r"(?<![A-Za-z0-9])_*(tun|tap|vhost|ptr_ring)(_|\.c\b)")
 # Known, non-splat kernel message: the qdisc was swapped to noqueue while
-# backpressure had the queue stopped (docs/tests.md, "Left").
+# backpressure had the queue stopped (docs/chaos.md, "Reading a failed round").
 NOQUEUE_MSG = "asks to queue packet"
 
 
