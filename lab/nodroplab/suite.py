@@ -23,6 +23,7 @@ from .deps import lab_python
 from .fetch import fetch
 from .kernel import Built, kernel, tree_dir
 from .matrix import Flavor, load
+from . import vm
 from .vm import CLOCK_OPTS, GuestResult, boot_and_run, guest_env, report_failure
 
 # Host environment variables forwarded into the guest (on top of what the lab
@@ -702,8 +703,16 @@ def cmd_bench(flavors: list[Flavor]) -> int:
         if jobs == 1:
             results = [one_boot(*t) for t in todo]
         else:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
+            try:
                 results = list(pool.map(lambda t: one_boot(*t), todo))
+            except BaseException:
+                # interrupted (SIGTERM/^C reach the main thread only): the
+                # guests of the worker threads stop too
+                vm.ABORT.set()
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            pool.shutdown()
     finally:
         host.close()
     bad |= not all(results)

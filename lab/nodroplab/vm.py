@@ -17,6 +17,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +162,12 @@ class _Tail:
             self.pos += len(data)
             self.out.buffer.write(data)
             self.out.flush()
+
+
+# Set when the lab is interrupted while guests run in worker threads (make
+# bench with GUESTS > 1): each guest's loop stops and kills its QEMU, as the
+# KeyboardInterrupt does in the main thread.
+ABORT = threading.Event()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -327,6 +334,8 @@ def _boot_once(bzimage, rwdir, meta, console, use_kvm, timeout, boot_timeout, re
                 rc_seen_at = now
             if proc.poll() is not None:
                 break
+            if ABORT.is_set():
+                raise KeyboardInterrupt
             if rc_seen_at is not None and now - rc_seen_at > 15:
                 break                                # guest did not power off: kill it
             if booted_at is None and now - t0 > boot_timeout:
