@@ -325,13 +325,64 @@ def drained(dev: str, readers, stall_s: float = 60.0) -> dict:
     return q
 
 
-def wait_tx_settled(dev: str, stall_s: float = 60.0) -> dict:
+# A marker: one datagram of udpburst's format with its own id, sent behind
+# everything else. qdisc (empty when it is sent), ring, vhost-net's batch and
+# the RX buffers are FIFO for one queue, so once a consumer got the marker,
+# everything sent before it has been received, dropped (counted) or freed by
+# a backend change: counts read then are final. Tests use ids 1-10 and 15.
+MARK_ID = 14
+
+
+def traffic(st: dict, key: str) -> int:
+    """A reader's counter `key` (pkts, ours, idK) without the markers."""
+    if key.startswith("id"):
+        return st["per_id"][int(key[2:])]
+    return st[key] - (st["per_id"][MARK_ID] if key in ("pkts", "ours") else 0)
+
+
+def send_marker(reader: "Reader", dst: str = PEER_IP) -> None:
+    """One marker datagram (id MARK_ID, the reader's next sequence number,
+    so that the reader sees no duplicate)."""
+    seq = getattr(reader, "marks", 0)
+    reader.marks = seq + 1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.sendto(probe_payload(MARK_ID, seq), (dst, UDP_PORT))
+
+
+def vhost_drained(dev: str, rx: "VhostRx", stall_s: float = 60.0) -> dict:
+    """drained() for a vhost-net consumer, which cannot read until EAGAIN
+    (its worker takes up to 64 entries at a time into a private buffer):
+    the qdisc's backlog reached 0, the tap's ring is empty (ring_empty()),
+    then a marker sent now reached the consumer. The marker meets an empty
+    qdisc and a ring with room (no tail drop, on any kernel), and arrives
+    behind everything that was in the ring or in vhost-net's batch. The
+    consumer must be attached and running. Returns its counters."""
+    q = wait_backlog_zero(dev, stall_s=stall_s)
+    wait_ring(rx.tun, True, f"draining {dev} into {rx.label}",
+              progress=lambda: rx.stat()["pkts"], stall_s=stall_s)
+    base = rx.stat()["per_id"][MARK_ID]
+    d0 = tx_dropped(dev)
+    send_marker(rx)
+    r = rx.wait(f"id{MARK_ID}", base + 1, stall_s=stall_s)
+    assert r["result"] == "ok", (
+        f"STALL: the marker sent behind everything else never reached {rx.label} "
+        f"({stall_s:.0f}s without a packet): {r}; qdisc before it {q}, now "
+        f"{qsummary(root_qdisc(dev))}; tx_dropped since it {tx_dropped(dev) - d0}")
+    return rx.stat()
+
+
+def wait_tx_settled(dev: str, stall_s: float = 60.0, since: dict | None = None) -> dict:
     """After a burst into a paused reader of a single-queue device: wait
     until the split between the qdisc and the ring is final, i.e. the qdisc
     is empty or the queue is stopped: by the ring (qstats: more stops than
     wakes) or by BQL (byte_queue_limits: more in flight than the limit).
     Returns the root qdisc's totals. Without either counter only an empty
-    qdisc ends the wait."""
+    qdisc ends the wait, unless `since` is given: a root qdisc dump from
+    before the burst (root_qdisc()/nl_root_qdisc()); a requeue counted
+    after it also ends the wait. The qdisc requeues the packet it dequeued
+    for a queue it finds stopped, so a requeue since `since` says the
+    queue stopped after it (on every kernel, counters or not), and with no
+    reader nothing wakes it."""
     end = time.monotonic() + stall_s
     while True:
         q = qdisc_totals(dev)
@@ -341,10 +392,54 @@ def wait_tx_settled(dev: str, stall_s: float = 60.0) -> dict:
         if (st is not None and any(c["stop"] > c["wake"] for c in st["queues"].values())) \
                 or (b is not None and b["inflight"] > b["limit"]):
             return qdisc_totals(dev)
+        rq = nl_root_qdisc(dev).get("requeues", 0) if since is not None else None
+        if rq is not None and rq > since.get("requeues", 0):
+            return qdisc_totals(dev)
         if time.monotonic() > end:
             raise AssertionError(f"{dev}: the qdisc holds {q['qlen']}p but the queue is "
-                                 f"not stopped after {stall_s:.0f}s (qstats {st}, bql {b})")
+                                 f"not stopped after {stall_s:.0f}s (qstats {st}, bql {b}, "
+                                 f"requeues {rq} since {since and since.get('requeues', 0)})")
         time.sleep(0.05)
+
+
+def wait_for(what: str, state, done, stall_s: float = 60.0, poll_s: float = 0.05):
+    """Poll state() until done(state) is true and return that state. Any
+    change of state() is progress; a state that has not changed for stall_s
+    while done() is still false is a STALL, reported with that state."""
+    last, since = None, time.monotonic()
+    while True:
+        st = state()
+        if done(st):
+            return st
+        if st != last:
+            last, since = st, time.monotonic()
+        elif time.monotonic() - since > stall_s:
+            raise AssertionError(f"STALL: {what}: nothing changed for {stall_s:.0f}s; "
+                                 f"state {st}")
+        time.sleep(poll_s)
+
+
+def ring_empty(tun: "Tun") -> bool:
+    """The ring of tun's queue holds nothing: poll() on the queue's fd
+    (tun_chr_poll() reports POLLIN exactly while its ring is not empty),
+    which consumes nothing, so it also works while vhost-net or another
+    process reads that queue."""
+    p = select.poll()
+    p.register(tun.fd, select.POLLIN)
+    ev = dict(p.poll(0)).get(tun.fd, 0)
+    if ev & (select.POLLERR | select.POLLNVAL):
+        raise AssertionError(f"poll() on {tun.name}'s queue: revents {ev:#x} (detached?)")
+    return not ev & select.POLLIN
+
+
+def wait_ring(tun: "Tun", empty: bool, what: str, progress=lambda: None,
+              stall_s: float = 60.0) -> None:
+    """Wait until the ring of tun's queue is empty (or, empty=False, holds
+    something); progress() (e.g. a consumer's count) changing resets the
+    stall limit."""
+    wait_for(f"{what}: ring of {tun.name} {'still holds packets' if empty else 'stays empty'}",
+             lambda: (ring_empty(tun), progress()), lambda st: st[0] == empty,
+             stall_s=stall_s)
 
 
 def wait_backlog_zero(dev: str, stall_s: float = 60.0, poll_s: float = 0.2,
@@ -885,6 +980,7 @@ class Env:
         if cpu is not None:
             argv += ["--cpu", str(cpu)]
         rx = VhostRx(self._spawn(argv, [tun.fd]), label)
+        rx.tun = tun       # the test's fd of the same queue: ring_empty()
         log(f"{label} ready: {rx.ready}")
         return rx
 
