@@ -55,10 +55,11 @@ import time
 import pytest
 
 from test_lifecycle import quiesce
-from test_vhost import VHOST_DEV, settle
+from test_vhost import VHOST_DEV
 from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TAP, IFF_TUN, bql, has_priv_flag, lacks,
                     log, qdisc_totals, qsummary, root_qdisc, set_fq_codel, set_priv_flag,
-                    set_qdisc, setup_ip, sh, tx_dropped, wait_backlog_zero, wait_tx_settled)
+                    set_qdisc, setup_ip, sh, tx_dropped, wait_backlog_zero, wait_for,
+                    wait_ring, wait_tx_settled)
 
 N = 200            # datagrams per burst
 SIZE = 1000        # UDP payload bytes
@@ -191,6 +192,8 @@ def test_bql_switch_off(env, record_property):
 
 def _detach_attach(env, t, ctx):
     t.set_queue(False)       # purges the ring: its bytes are never completed
+    # paces: the queue stays detached for a moment (what the qdisc hands it
+    # meanwhile is dropped); decides no verdict: the reader gets what is left
     time.sleep(0.3)
     t.set_queue(True)
 
@@ -244,7 +247,7 @@ def test_bql_lifecycle(env, path, record_property):
     before = bql(t.name)
     log(f"{path}: before: qdisc {qsummary(root_qdisc(t.name))} bql {before}")
     action(env, t, None)
-    time.sleep(0.3)
+    wait_tx_settled(t.name)
     log(f"{path}: after: qdisc {qsummary(root_qdisc(t.name))} bql {bql(t.name)} "
         f"tx_dropped={tx_dropped(t.name)}")
     if gets == "all":
@@ -275,7 +278,18 @@ def held_by_vhost(env, t, ident: int, n: int, txqueuelen: int | None = None):
     rx = env.vhostrx(t, paused=True)
     r = env.burst(n, size=SIZE, ident=ident, sndbuf=SNDBUF)
     assert r["ok"] == n, r
-    settle(t.name)
+    # vhost-net took its batch (BQL completed it: fewer bytes in flight
+    # than tun was handed), and the split is final: the qdisc is empty or
+    # BQL stopped the queue. Needs byte_queue_limits in sysfs.
+    wire = wire_bytes(True)
+
+    def state():
+        q, b = qdisc_totals(t.name), bql(t.name)
+        handed = n - q["qlen"] - tx_dropped(t.name)  # qlen counts a requeued packet
+        return (q["qlen"], handed, b["inflight"], b["limit"])
+
+    wait_for(f"vhost-net's batch of ident {ident} and the split after it", state,
+             lambda st: st[1] * wire > st[2] and (st[0] == 0 or st[2] > st[3]))
     return rx
 
 
@@ -301,9 +315,8 @@ def test_bql_vhost_giveback(env, record_property):
         lacks("bql-sysfs", "no byte_queue_limits in sysfs (kernel without the net-sysfs patch)")
     rx = held_by_vhost(env, t, 5, 60)
     held = bql(t.name)
-    rx.detach()
-    settle(t.name)
-    q = qdisc_totals(t.name)
+    rx.detach()              # gives the batch back within the ioctl
+    q = wait_tx_settled(t.name)
     got = rx.stat()["pkts"]
     # what is neither in the qdisc (its backlog counts a requeued packet,
     # which its sent counter counts too) nor delivered nor dropped
@@ -344,12 +357,13 @@ def test_bql_noqueue_giveback(env, record_property):
     r = env.burst(NOQUEUE_HELD, size=SIZE, ident=9, sndbuf=SNDBUF)
     assert r["ok"] == NOQUEUE_HELD, r
     rx = env.vhostrx(t, paused=True)
-    settle(t.name)
+    wait_ring(t, True, "vhost-net takes the ring into its buffer")
     rx.detach()                         # gives the held entries back
-    settle(t.name)
+    wait_ring(t, False, "vhost-net's give-back at detach")
     b = bql(t.name)
+    # noqueue: each datagram reaches tun_net_xmit() (ring or drop) within
+    # its own sendto(); nothing is left to wait for once the sender is done
     r = env.burst(NOQUEUE_MORE, size=SIZE, ident=10, sndbuf=SNDBUF)
-    settle(t.name)
     drops = tx_dropped(t.name)
     summary = (f"noqueue: bql after the give-back {b}; {r['ok']} of {NOQUEUE_MORE} "
                f"sent after it, tx_dropped {drops}")
