@@ -54,9 +54,10 @@ import pytest
 
 from test_lifecycle import counts, quiesce, wait_total
 from tunlib import (IFF_BACKPRESSURE, IFF_NO_PI, IFF_TAP, IFF_VNET_HDR, VhostRx,
-                    cpus, lacks, log, qdisc_totals, qsummary, root_qdisc,
-                    ring_level_only, set_fq_codel, set_qdisc, setup_ip, tx_dropped,
-                    wait_backlog_zero)
+                    cpus, dev_stats, lacks, log, nl_root_qdisc, qdisc_totals, qsummary,
+                    ring_level_only, root_qdisc, set_fq_codel, set_qdisc,
+                    setup_ip, traffic, tx_dropped, vhost_drained, wait_backlog_zero,
+                    wait_for, wait_ring, wait_tx_settled)
 
 VHOST_DEV = "/dev/vhost-net"
 VHOST_BATCH = 64      # VHOST_NET_BATCH in drivers/vhost/net.c
@@ -85,20 +86,6 @@ def make_tap(env, name: str, extra: int, vnet: bool, txqueuelen: int,
     return t
 
 
-def settle(dev: str, quiet_s: float = 0.6, limit_s: float = 60.0) -> None:
-    """Wait until the device and qdisc counters stop moving (the vhost worker
-    runs asynchronously to the sender)."""
-    prev, since, start = None, time.monotonic(), time.monotonic()
-    while time.monotonic() - start < limit_s:
-        q = qdisc_totals(dev)
-        cur = (tx_dropped(dev), q["packets"], q["qlen"], q["drops"])
-        if cur != prev:
-            prev, since = cur, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return
-        time.sleep(0.1)
-
-
 def check_clean(r: dict) -> None:
     assert r["bad"] == 0, f"vhostrx saw {r['bad']} malformed buffers: {r}"
     assert r["other"] == 0, f"vhostrx saw {r['other']} packets that are not ours: {r}"
@@ -115,9 +102,10 @@ def drain(env, dev: str, rx: VhostRx, key: str, expect: int) -> dict:
         f"nothing for {STALL_S:.0f}s; qdisc {qsummary(root_qdisc(dev))} "
         f"tx_dropped={tx_dropped(dev)}")
     q = wait_backlog_zero(dev, stall_s=STALL_S)
-    time.sleep(0.3)  # anything beyond `expect` would be a counting bug
-    r = rx.stat()
-    got = counts([rx], key)
+    # anything beyond `expect` would be a counting bug: a marker sent now
+    # arrives behind whatever else is still on its way
+    r = vhost_drained(dev, rx, stall_s=STALL_S)
+    got = traffic(r, key)
     log(f"consumer after resume: {key}={got} (expected {expect}) pkts={r['pkts']} "
         f"bad={r['bad']} other={r['other']} dups={r['dups']} "
         f"calls={r['calls']} kicks={r['kicks']} qdisc backlog={q['qlen']}p")
@@ -141,7 +129,10 @@ def test_vhost_burst(env, mode, vnet, record_property):
 
     s = env.burst(N, size=SIZE, ident=1, sndbuf=SNDBUF)
     assert s["ok"] == N, f"sender: {s}"
-    settle(t.name)
+    # the split is final: the qdisc is empty (stock) or the queue stopped
+    # (BP; detached: nothing touches the ring; nobufs: vhost-net takes at
+    # most its one batch, `held` is what it had taken by then)
+    wait_tx_settled(t.name, stall_s=STALL_S, since=q0)
 
     drops = tx_dropped(t.name) - d0
     q = root_qdisc(t.name)
@@ -211,14 +202,14 @@ def test_vhost_two_senders(env, qdisc, record_property):
             f"errors={r['errors']} eagain_retries={r['eagain_retries']}")
     ok = sum(r["ok"] for r in results)
 
-    wait_backlog_zero(t.name, stall_s=STALL_S)
+    # everything sent is received or dropped once a marker sent behind it
+    # arrived: the counts are final
+    r = vhost_drained(t.name, rx, stall_s=STALL_S)
     drops = tx_dropped(t.name) - d0
     q = qdisc_totals(t.name)
     qdrops = q["drops"] - q0["drops"]
     expect = ok - drops - qdrops
-    r = rx.wait("ours", expect, stall_s=STALL_S)
-    time.sleep(0.3)
-    r = rx.stat()
+    r["ours"] = traffic(r, "ours")
     summary = (f"[vhost 2 senders, qdisc '{qspec}', ring {OVL_RING}, consumer "
                f"{OVL_RATE} pps, bp={env.bp}] sent_ok={ok} tx_dropped={drops} "
                f"qdisc_drops={qdrops} received={r['ours']} (id1={r['per_id'][1]} "
@@ -277,8 +268,8 @@ def fresh_burst(env, dev: str, rx: VhostRx, ident: int, what: str) -> str:
             raise AssertionError(f"{kind} in {what}: received {got}, dropped {lost} "
                                  f"of {FRESH}; qdisc {qsummary(q)}")
         time.sleep(0.05)
-    wait_backlog_zero(dev, stall_s=STALL_S)
-    time.sleep(0.3)
+    # nothing more of it is on its way once a marker sent behind it arrived
+    vhost_drained(dev, rx, stall_s=STALL_S)
     got = counts([rx], key)
     drops = tx_dropped(dev) - d0
     qdrops = qdisc_totals(dev)["drops"] - qd0
@@ -305,21 +296,45 @@ def giveback_sequence(env, dev: str, rx: VhostRx) -> dict:
     q0 = qdisc_totals(dev)
     steps = []
 
-    def burst(ident: int, n: int) -> None:
+    def burst(ident: int, n: int, settled) -> None:
         r = env.burst(n, ident=ident, sndbuf=SNDBUF)
         assert r["ok"] == n, r
-        settle(dev)
+        settled()
         steps.append(f"id{ident}x{n}: tx_dropped={tx_dropped(dev) - d0} "
                      f"backlog={qdisc_totals(dev)['qlen']}p")
 
-    burst(3, DA_BUFS)
+    # 1. the posted buffers take the burst: vhost-net delivered every
+    # datagram into one (the device's tx_packets counts what tun hands to
+    # its reader) or the ring dropped it
+    tp0, dd = dev_stats(dev)["tx_packets"], tx_dropped(dev)
+    burst(3, DA_BUFS, lambda: wait_for(
+        f"{DA_BUFS} datagrams into the {DA_BUFS} posted buffers (delivered, dropped)",
+        lambda: (dev_stats(dev)["tx_packets"] - tp0, tx_dropped(dev) - dd),
+        lambda st: sum(st) >= DA_BUFS, stall_s=STALL_S))
+    # 2. no backend: nothing takes from the ring, the split between ring
+    # and qdisc is final once the qdisc is empty or the queue stopped
     rx.detach()
-    burst(5, HELD_BURST)
+    qa = nl_root_qdisc(dev)
+    burst(5, HELD_BURST, lambda: wait_tx_settled(dev, stall_s=STALL_S, since=qa))
+    # 3. attach: vhost-net's worker moves one batch from the ring into its
+    # private buffer and, finding no free RX buffer, keeps it. Stock: that
+    # empties the ring (64 entries, a batch of 64). BP: the batch wakes the
+    # queue, the qdisc refills the ring and meets the queue stopped again:
+    # a requeue (or an empty qdisc)
+    qb = nl_root_qdisc(dev)
     rx.attach()
-    time.sleep(1.0)  # vhost's worker takes its batch (no visible counter on stock)
-    settle(dev)
+    if env.bp:
+        wait_for("vhost-net's batch at attach: the queue woken, refilled, stopped again",
+                 lambda: nl_root_qdisc(dev),
+                 lambda q: q["requeues"] > qb["requeues"] or q["qlen"] == 0,
+                 stall_s=STALL_S)
+    else:
+        wait_ring(rx.tun, True, "vhost-net's batch at attach")
     steps.append(f"attach: backlog={qdisc_totals(dev)['qlen']}p")
-    burst(6, HELD_BURST2)
+    # 4. stock: the ring takes what fits and drops the rest (qdisc empty);
+    # BP: the queue has stayed stopped since the requeue of step 3 (vhost-net
+    # holds its batch, nobody reads), so every datagram stays in the qdisc
+    burst(6, HELD_BURST2, lambda: wait_tx_settled(dev, stall_s=STALL_S, since=qb))
     rx.detach()
     rx.attach()
     rx.go()
@@ -333,21 +348,24 @@ def giveback_sequence(env, dev: str, rx: VhostRx) -> dict:
             "missing": sent - got - drops - qdrops, "steps": steps}
 
 
+# The pauses below only pace the events under load (the ring and the qdisc
+# fill while the consumer is paused or detached) and decide no verdict:
+# progress() after each step waits for the load to reach the consumer again.
 def pause_go_steps(rx: VhostRx, i: int) -> None:
     rx.pause()
-    time.sleep(0.5)
+    time.sleep(0.5)    # paces: the ring and the qdisc fill; decides no verdict
     rx.go()
     progress(rx, f"pause/go #{i + 1}")
 
 
 def detach_attach_steps(rx: VhostRx, i: int) -> None:
     rx.detach()
-    time.sleep(0.5)
+    time.sleep(0.5)    # paces: the ring and the qdisc fill; decides no verdict
     rx.attach()
     progress(rx, f"detach/attach #{i + 1}")
     rx.pause()
     rx.detach()
-    time.sleep(0.3)
+    time.sleep(0.3)    # paces: the ring and the qdisc fill; decides no verdict
     rx.attach()
     rx.go()
     progress(rx, f"pause/detach/attach/go #{i + 1}")
@@ -448,7 +466,7 @@ def test_vhost_legacy_no_flag(env, record_property):
     q0 = root_qdisc(t.name)
     s = env.burst(N, size=SIZE, ident=1, sndbuf=SNDBUF)
     assert s["ok"] == N, f"sender: {s}"
-    settle(t.name)
+    wait_tx_settled(t.name, stall_s=STALL_S, since=q0)
     drops = tx_dropped(t.name) - d0
     q = root_qdisc(t.name)
     summary = (f"[vhost legacy (no flag), kernel bp={env.bp}, qdisc='{qspec}'] "
