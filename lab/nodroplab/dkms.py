@@ -26,12 +26,12 @@ import re
 import shutil
 import subprocess
 import tomllib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .common import REPO, LabError, cache_dir, run, say, sha256_file
 from .fetch import fetch, upstream_version
-from .matrix import MATRIX_FILE, Flavor, Matrix, Source, load
+from .matrix import MATRIX_FILE, Flavor, Matrix, Source, known_features, load
 
 PACKAGING = REPO / "packaging"
 DIST = REPO / "dist"
@@ -58,6 +58,10 @@ class DkmsSpec:
     version: str
     lines: dict[str, Flavor]     # "6.12" -> its series (a pseudo-flavor, never built)
     pregen: tuple[Source, ...]   # pristine sources pre-generated into the package
+    # per line: what a package row's guests must show with the package and
+    # after its removal (lab/flavors.toml [dkms.features], [dkms.stock_features])
+    features: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    stock_features: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def flavor(self) -> Flavor:
@@ -100,8 +104,20 @@ def spec(mx: Matrix | None = None) -> DkmsSpec:
                 raise LabError(f"{MATRIX_FILE}: [dkms] pregenerated: unknown source {name!r}; "
                                f"valid: {', '.join(mx.sources)}")
             pregen.append(mx.sources[name])
+        feats = {}
+        for key in ("features", "stock_features"):
+            table = data.get(key, {})
+            if set(table) != set(lines):
+                raise LabError(f"{MATRIX_FILE}: [dkms.{key}] must name exactly the lines of "
+                               f"[dkms] series ({' '.join(sorted(lines))}), has "
+                               f"{' '.join(sorted(table)) or 'none'}")
+            bad = {f for v in table.values() for f in v} - set(known_features())
+            if bad:
+                raise LabError(f"{MATRIX_FILE}: [dkms.{key}]: unknown features {sorted(bad)}; "
+                               f"known: {' '.join(known_features())}")
+            feats[key] = {k: tuple(v) for k, v in table.items()}
         sp = DkmsSpec(name=data["name"], version=str(data["version"]), lines=lines,
-                      pregen=tuple(pregen))
+                      pregen=tuple(pregen), **feats)
     except KeyError as e:
         raise LabError(f"{MATRIX_FILE}: [dkms]: missing key {e}")
     if not re.fullmatch(r"[0-9][A-Za-z0-9.+~]*", sp.version):

@@ -50,7 +50,7 @@ from .common import REPO, TOOLS_OUT, LabChild, LabError, cache_dir, say, tail_li
 from .dkms import spec
 from .rootfs import (APT, RootfsFlavor, chroot_sh, ensure_base, resolve, target_release,
                      work_copy)
-from .suite import _suite_result, passthrough_env, timeout_s
+from .suite import _check_skips, _suite_result, passthrough_env, timeout_s
 from .vm import boot_and_run, report_failure
 
 # The guest tests a package run needs (the issue's list), ONE place:
@@ -149,7 +149,9 @@ def _guest_command(rw: Path, paths: list[str]) -> str:
 
 
 def _boot(rf: RootfsFlavor, root: Path, rw: Path, paths: list[str], expect: str,
-          version: str) -> tuple[dict, object]:
+          version: str, features: tuple[str, ...]) -> tuple[dict, object]:
+    """One boot of the row's root; features: what the guests must show
+    (NODROP_FEATURES), every other skip or xfail fails the row."""
     rw.mkdir(parents=True, exist_ok=True)
     for d in (REPO / "tests", REPO / "tools", rw):      # mount points in the guest root
         (root / str(d).lstrip("/")).mkdir(parents=True, exist_ok=True)
@@ -161,13 +163,17 @@ def _boot(rf: RootfsFlavor, root: Path, rw: Path, paths: list[str], expect: str,
            "NODROP_FLAVOR": rf.name, "NODROP_RESULTS": str(rw),
            "NODROP_TOOLS": str(TOOLS_OUT), "NODROP_REPO": str(REPO),
            "NODROP_PYTHON": GUEST_PY, "NODROP_KERNELRELEASE": rf.kernel,
-           "NODROP_EXPECT": expect, "NODROP_DKMS_VERSION": version}
+           "NODROP_EXPECT": expect, "NODROP_DKMS_VERSION": version,
+           "NODROP_FEATURES": " ".join(features)}
     res = boot_and_run(root / rf.vmlinuz.lstrip("/"), _guest_command(rw, paths),
                        rw, env=env, cwd=REPO, timeout=timeout_s(3600), root=root,
                        shares=shares, boot_timeout=BOOT_TIMEOUT_S, retry_unbooted=True)
     r = _suite_result(rw, "guest", "junit.xml")
     counts = {k: r[k] for k in ("passed", "failed", "skipped")}
-    counts["notes"] = [f"{rw.name}: {n}" for n in r["notes"]]
+    counts["notes"] = []
+    _check_skips(replace(spec().flavor, name=rf.name, features=features, allowed_skips=()),
+                 counts, r["details"])
+    counts["notes"] = [f"{rw.name}: {n}" for n in r["notes"] + counts["notes"]]
     if res.retried:
         counts["notes"].append(f"{rw.name}: boot retried once: {res.retried}")
     if res.rc is None:
@@ -395,7 +401,8 @@ def finish(rf: RootfsFlavor, rw: Path, selection: list[str]) -> dict:
 
     def timed_boot(sub: str, paths: list[str], expect: str) -> None:
         t0 = time.monotonic()
-        c, res = _boot(rf, root, rw / sub, paths, expect, version)
+        feats = (sp.features if expect == "package" else sp.stock_features)[rf.line]
+        c, res = _boot(rf, root, rw / sub, paths, expect, version, feats)
         times[f"boot+tests_{sub}"] = round(time.monotonic() - t0, 1)
         if res.boot_seconds:
             times[f"boot_to_first_command_{sub}"] = round(res.boot_seconds, 1)
