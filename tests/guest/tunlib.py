@@ -379,10 +379,12 @@ def wait_tx_settled(dev: str, stall_s: float = 60.0, since: dict | None = None) 
     Returns the root qdisc's totals. Without either counter only an empty
     qdisc ends the wait, unless `since` is given: a root qdisc dump from
     before the burst (root_qdisc()/nl_root_qdisc()); a requeue counted
-    after it also ends the wait. The qdisc requeues the packet it dequeued
-    for a queue it finds stopped, so a requeue since `since` says the
-    queue stopped after it (on every kernel, counters or not), and with no
-    reader nothing wakes it."""
+    after it also ends the wait. The qdisc requeues a packet it dequeued
+    for a queue it then finds stopped, so a requeue since `since` says the
+    queue stopped after it, and with no reader nothing wakes it. A burst's
+    first stop shows one on every kernel measured (docs/tests.md: "qdisc
+    sent 26, requeues 1"); a later stop need not: a single-queue qdisc does
+    not dequeue for a queue it already finds stopped."""
     end = time.monotonic() + stall_s
     while True:
         q = qdisc_totals(dev)
