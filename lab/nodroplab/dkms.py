@@ -26,7 +26,7 @@ import re
 import shutil
 import subprocess
 import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .common import REPO, LabError, cache_dir, run, say, sha256_file
@@ -60,8 +60,8 @@ class DkmsSpec:
     pregen: tuple[Source, ...]   # pristine sources pre-generated into the package
     # per line: what a package row's guests must show with the package and
     # after its removal (lab/flavors.toml [dkms.features], [dkms.stock_features])
-    features: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    stock_features: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    features: dict[str, tuple[str, ...]]
+    stock_features: dict[str, tuple[str, ...]]
 
     @property
     def flavor(self) -> Flavor:

@@ -364,7 +364,7 @@ def _suites_row(fl: Flavor, suites: list[str], rw: Path, tools: Path | None,
         row["notes"] += r["notes"]
     details = [d for r in results.values() for d in r["details"]]
     _count_known_failures(fl, row, details)
-    _check_skips(fl, row, details)
+    _check_skips(fl.features, fl.allowed_skips, row, details)
     if res.rc is None:
         row["status"] = "boot failed" if not res.booted else "guest died"
         row["failed"] = max(row["failed"], 1)
@@ -412,12 +412,13 @@ def _count_known_failures(fl: Flavor, row: dict, details: list[dict]) -> None:
 LACKS = re.compile(r"\[lacks ([a-z0-9-]+)\]")
 
 
-def _check_skips(fl: Flavor, row: dict, details: list[dict]) -> None:
-    """Every skip and xfail must be one the flavor allows: tagged
-    "[lacks <feature>]" (tunlib.lacks) for a feature the flavor does not
-    declare, or matching an allowed_skips entry. Anything else counts as a
-    failure of the row: a flavor that lost a feature must not pass by skipping."""
-    if fl.features is None:
+def _check_skips(features: tuple[str, ...] | None, allowed_skips: tuple[tuple[str, str], ...],
+                 row: dict, details: list[dict]) -> None:
+    """Every skip and xfail must be one the row allows: tagged
+    "[lacks <feature>]" (tunlib.lacks) for a feature it does not declare, or
+    matching an allowed_skips entry. Anything else counts as a failure of
+    the row: a kernel that lost a feature must not pass by skipping."""
+    if features is None:
         row["notes"].append("skips not checked: the flavor declares no features")
         return
     bad = []
@@ -425,10 +426,10 @@ def _check_skips(fl: Flavor, row: dict, details: list[dict]) -> None:
         if d["outcome"] == "failed":
             continue
         m = LACKS.search(d["message"])
-        if m and m.group(1) not in fl.features:
+        if m and m.group(1) not in features:
             continue
         if any(_is_test(d["test"], t) and re.search(r, d["message"])
-               for t, r in fl.allowed_skips):
+               for t, r in allowed_skips):
             continue
         bad.append(f"{d['test']} ({d['outcome']}: {d['message'][:120]})")
     if bad:
@@ -699,21 +700,17 @@ def cmd_bench(flavors: list[Flavor]) -> int:
     for _fl, _b, row in built:
         row["boot_s"] = []
     host = _HostRecord(out / "host.json", jobs)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
     try:
-        if jobs == 1:
-            results = [one_boot(*t) for t in todo]
-        else:
-            pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
-            try:
-                results = list(pool.map(lambda t: one_boot(*t), todo))
-            except BaseException:
-                # interrupted (SIGTERM/^C reach the main thread only): the
-                # guests of the worker threads stop too
-                vm.ABORT.set()
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-            pool.shutdown()
+        results = list(pool.map(lambda t: one_boot(*t), todo))
+    except BaseException:
+        # interrupted (SIGTERM/^C reach the main thread only): the guests of
+        # the worker threads stop too
+        vm.ABORT.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
     finally:
+        pool.shutdown()
         host.close()
     bad |= not all(results)
     for _fl, _b, row in built:
