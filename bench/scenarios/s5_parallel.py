@@ -5,18 +5,21 @@ from __future__ import annotations
 from .common import VPN, configs, iperf, isec, say, summ
 
 KEY, NAME = "5", "s5_parallel"
+# bp over each control, paired repetitions (bench/report pairs the same way)
+PAIRS = (("bp", "stock"), ("bp", "stock+fq_codel"), ("bp", "bp-nobql"))
 
 
 def run(ctx) -> dict:
-    """stock, bp and bp-nobql side by side on the same kernel, interleaved:
+    """stock, stock+fq_codel, bp and bp-nobql side by side on the same
+    kernel, interleaved (stock+fq_codel: the control that tells fq_codel's
+    own work and locking from backpressure's, docs/bench.md):
     the VPNs exist at once and every repetition measures each in turn, the
-    order rotated and reversed from one repetition to the next (stock bp
-    nobql / nobql bp stock / bp nobql stock / ...), so that drift hits all
-    alike. The report pairs repetition i of one configuration with
-    repetition i of another (bp/stock, bp/bp-nobql)."""
+    order rotated and reversed from one repetition to the next, so that
+    drift hits all alike. The report pairs repetition i of bp with
+    repetition i of each other configuration."""
     d = isec(ctx.dur(2.0, 1.0))
     streams = [1, 8] if ctx.quick else [1, 2, 4, 8]
-    cfgs = configs(ctx, qlen=500)
+    cfgs = configs(ctx, qlen=500, control=True)
     res = {"scenario": NAME, "title": "parallel TCP streams through one tun queue",
            "params": {"duration_s": d, "streams": streams, "qlen": 500,
                       "interleaved": len(cfgs) > 1},
@@ -41,7 +44,7 @@ def run(ctx) -> dict:
                 r = pts[c["name"]]["reps"]
                 say(f"s5 {c['name']} -P {n}: {summ(r, 'mbps')} Mbit/s "
                     f"ring drops {summ(r, 'tx_dropped')}")
-            for num, den in (("bp", "stock"), ("bp", "bp-nobql")):
+            for num, den in PAIRS:
                 if num in pts and den in pts:
                     ratios = [{"ratio": b["mbps"] / a["mbps"]}
                               for a, b in zip(pts[den]["reps"], pts[num]["reps"])
