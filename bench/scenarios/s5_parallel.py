@@ -5,8 +5,6 @@ from __future__ import annotations
 from .common import VPN, configs, iperf, isec, say, summ
 
 KEY, NAME = "5", "s5_parallel"
-# bp over each control, paired repetitions (bench/report pairs the same way)
-PAIRS = (("bp", "stock"), ("bp", "stock+fq_codel"), ("bp", "bp-nobql"))
 
 
 def run(ctx) -> dict:
@@ -44,12 +42,11 @@ def run(ctx) -> dict:
                 r = pts[c["name"]]["reps"]
                 say(f"s5 {c['name']} -P {n}: {summ(r, 'mbps')} Mbit/s "
                     f"ring drops {summ(r, 'tx_dropped')}")
-            for num, den in PAIRS:
-                if num in pts and den in pts:
-                    ratios = [{"ratio": b["mbps"] / a["mbps"]}
-                              for a, b in zip(pts[den]["reps"], pts[num]["reps"])
-                              if a.get("mbps") and b.get("mbps") is not None]
-                    say(f"s5 -P {n}: {num}/{den} per pair {summ(ratios, 'ratio')}")
+            for den in (c for c in pts if c != "bp" and "bp" in pts):
+                ratios = [{"ratio": b["mbps"] / a["mbps"]}
+                          for a, b in zip(pts[den]["reps"], pts["bp"]["reps"])
+                          if a.get("mbps") and b.get("mbps") is not None]
+                say(f"s5 -P {n}: bp/{den} per pair {summ(ratios, 'ratio')}")
             res["points"] += list(pts.values())
     finally:
         for v in vpns.values():
