@@ -308,8 +308,8 @@ def deliver_after_giveback(t, rx, expected: dict[str, int], summary: str) -> Non
 def test_bql_vhost_giveback(env, record_property):
     """vhost-net holds a batch it took (completed for BQL) when its backend
     is detached: the entries it gives back are in the ring again, completed
-    already; when taken again their completion is bounded by what is in
-    flight, which never exceeds what the ring holds."""
+    already, and are not completed again when taken again: what is in
+    flight never exceeds what the ring holds."""
     t = giveback_tap(env, "ndbqlv0")
     if bql(t.name) is None:
         lacks("bql-sysfs", "no byte_queue_limits in sysfs (kernel without the net-sysfs patch)")
