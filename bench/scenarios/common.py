@@ -51,20 +51,37 @@ class NS:
         self.proc = subprocess.Popen(["unshare", "--net", "sleep", "100000"])
         own = os.stat("/proc/self/ns/net").st_ino
         path = f"/proc/{self.proc.pid}/ns/net"
-        for _ in range(500):
+        # an event with a generous limit: 5 s once failed after a VPN's
+        # teardown under icount (2026-11-28); say where the child waits
+        deadline = time.monotonic() + 120
+        while True:
             try:
                 if os.stat(path).st_ino != own:
                     break
             except FileNotFoundError:
                 pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"unshare --net did not create a namespace in 120 s "
+                                   f"({self._where()})")
             time.sleep(0.01)
-        else:
-            raise RuntimeError("unshare --net did not create a namespace")
         self.fd = os.open(path, os.O_RDONLY)
         with self:
             sh("ip link set lo up")
             sh("sysctl -qw net.ipv6.conf.all.disable_ipv6=1 "
                "net.ipv6.conf.default.disable_ipv6=1", check=False)
+
+    def _where(self) -> str:
+        """The unshare child's state, exit status or kernel wait channel."""
+        if self.proc.poll() is not None:
+            return f"exited {self.proc.returncode}"
+        info = []
+        for f in ("wchan", "stack"):
+            try:
+                info.append(f"{f}: " + Path(f"/proc/{self.proc.pid}/{f}").read_text()
+                            .strip().replace("\n", " | "))
+            except OSError:
+                pass
+        return "; ".join(info) or "no wait channel"
 
     def __enter__(self):
         tl.setns(self.fd)
