@@ -47,7 +47,7 @@ kernel:
 	@$(LAB) kernel $(call sq,FLAVOR) $(if $(REBUILD),--rebuild)
 
 fuzz:
-	@test -n '$(FLAVOR)' -a -n '$(DURATION)' || { echo "usage: make fuzz FLAVOR=<fuzz flavor> DURATION=<seconds>  (fuzz flavors: nodrop-6.12-fuzz, nodrop-7.3-fuzz, seed-v1-6.12)" >&2; exit 2; }
+	@test -n '$(FLAVOR)' -a -n '$(DURATION)' || { echo "usage: make fuzz FLAVOR=<fuzz flavor> DURATION=<seconds>  (fuzz flavors: nodrop-6.12-fuzz, nodrop-6.1-fuzz, nodrop-7.3-fuzz, seed-v1-6.12)" >&2; exit 2; }
 	@$(LAB) fuzz $(call sq,FLAVOR) --duration $(call sq,DURATION)
 
 fuzz-smoke:

@@ -455,7 +455,7 @@ def check_flavor(fl: Flavor) -> None:
                if wants.get(o) != "y"]
     if missing:
         raise LabError(f"{fl.name} is not a fuzz flavor ({', '.join(missing)} not set by its "
-                       f"fragments): use nodrop-6.12-fuzz or seed-v1-6.12, or add "
+                       f"fragments): use a *-fuzz flavor or seed-v1-6.12 (make flavors), or add "
                        f"lab/config/fuzz.config to it (docs/fuzz.md)", rc=2)
 
 
