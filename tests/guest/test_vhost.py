@@ -22,6 +22,8 @@ txqueuelen 25, fq_codel, 1000 x 1000 B into a paused consumer.
              ("held") into its private buffer. stock: tx_dropped 975 - held;
              BP: 0 drops, backlog 975 - held; the consumer then gets every
              packet that was not dropped.
+test_vhost_burst_switched_on: [detached] with vnet_hdr on a tap created
+  without the flag and switched on by the ethtool private flag: as BP.
 test_vhost_two_senders: two senders pinned to different CPUs overload the tap
   while the consumer reaps at a limited rate. Every kernel: received ==
   sent - tx_dropped - qdisc drops. BP: 0 ring drops. stock: drops recorded.
@@ -56,8 +58,9 @@ import pytest
 
 from test_lifecycle import counts, quiesce, wait_total
 from tunlib import (IFF_BACKPRESSURE, IFF_NO_PI, IFF_TAP, IFF_VNET_HDR, VhostRx,
-                    bql, cpus, dev_stats, lacks, log, nl_root_qdisc, qdisc_totals, qstats,
-                    qsummary, ring_level_only, root_qdisc, set_fq_codel, set_qdisc,
+                    bql, cpus, dev_stats, has_priv_flag, lacks, log, nl_root_qdisc,
+                    qdisc_totals, qstats, qsummary, ring_level_only, root_qdisc,
+                    set_fq_codel, set_priv_flag, set_qdisc,
                     setup_ip, traffic, tx_dropped, vhost_drained, wait_backlog_zero,
                     wait_for, wait_ring, wait_tx_settled)
 
@@ -124,6 +127,26 @@ def test_vhost_burst(env, mode, vnet, record_property):
     t = make_tap(env, "ndvh0", env.bp_flag(), vnet, RING, ring_level=True)
     if env.bp:
         assert t.get_iff() & IFF_BACKPRESSURE, "flag requested but not reported"
+    burst(env, t, mode, vnet, env.bp, record_property)
+
+
+def test_vhost_burst_switched_on(env, record_property):
+    """test_vhost_burst[detached-vnethdr] on a tap created without the flag
+    and given backpressure by the ethtool private flag: vhost-net must tell
+    tun what it takes from a ring whose device gained backpressure after the
+    ring was attached, or nobody wakes the queue it drains."""
+    t = make_tap(env, "ndvh0", 0, True, RING)
+    if not has_priv_flag(t.name, "backpressure"):
+        lacks("switch", f"{t.name} has no ethtool private flag 'backpressure'")
+    set_priv_flag(t.name, "backpressure", True)
+    ring_level_only(t.name)
+    burst(env, t, "detached", True, True, record_property)
+
+
+def burst(env, t, mode: str, vnet: bool, bp: bool, record_property) -> None:
+    """1000 x 1000 B into the paused consumer of tap `t` (txqueuelen 25,
+    fq_codel); with `bp` every packet arrives, else the ring's 25 (and what
+    vhost held) do."""
     qspec = set_fq_codel(t.name)
     rx = env.vhostrx(t, paused=True, detached=(mode == "detached"))
     d0 = tx_dropped(t.name)
@@ -141,8 +164,8 @@ def test_vhost_burst(env, mode, vnet, record_property):
     qdrops = q["drops"] - q0["drops"]
     sent = q["packets"] - q0["packets"]
     # what vhost moved into its private buffer before the consumer resumed
-    held = N - RING - (q["qlen"] if env.bp else drops)
-    summary = (f"[vhost {mode} vnet_from={'tap' if vnet else 'vhost'} bp={env.bp} "
+    held = N - RING - (q["qlen"] if bp else drops)
+    summary = (f"[vhost {mode} vnet_from={'tap' if vnet else 'vhost'} bp={bp} "
                f"qdisc='{qspec}'] tx_dropped={drops} backlog={q['qlen']}p "
                f"qdisc_sent={sent} qdisc_drops={qdrops} requeues={q['requeues']} "
                f"held_by_vhost={held}")
@@ -156,7 +179,7 @@ def test_vhost_burst(env, mode, vnet, record_property):
         assert held == 0, f"nothing may leave the ring without a backend; {summary}"
     else:
         assert 0 <= held <= VHOST_BATCH, f"vhost holds at most one batch; {summary}"
-    if env.bp:
+    if bp:
         assert drops == 0, f"backpressure: expected 0 ring drops; {summary}"
         expect = N
     else:
