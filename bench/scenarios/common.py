@@ -676,6 +676,27 @@ def stop_pktgen(start: subprocess.Popen) -> None:
 BQL_SAMPLES = 8     # samples of queue 0's BQL state per pktgen window
 
 
+_MARK = None
+
+
+def mark(code: int) -> None:
+    """With NODROP_BENCH_MARK=1, execute bench/insnprof's mark instruction
+    (nopl 0x4e4f5000+code(%rax,%rax,1)): the QEMU plugin snapshots its
+    per-block instruction counts there. Without it, nothing."""
+    global _MARK
+    if not os.environ.get("NODROP_BENCH_MARK"):
+        return
+    import ctypes
+    import mmap
+    if _MARK is None:
+        page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        _MARK = (page, ctypes.CFUNCTYPE(None)(ctypes.addressof(ctypes.c_char.from_buffer(page))))
+    page, fn = _MARK
+    page.seek(0)
+    page.write(b"\x0f\x1f\x84\x00" + (0x4e4f5000 + code).to_bytes(4, "little") + b"\xc3")
+    fn()
+
+
 def pktgen_reps(dev: str, devs: list[str], snap, reps: int, duration: float,
                 warmup: float, bql=None) -> list[dict]:
     """`reps` windows of `duration` s after `warmup` s of pktgen: every
@@ -690,12 +711,14 @@ def pktgen_reps(dev: str, devs: list[str], snap, reps: int, duration: float,
         start = subprocess.Popen(["sh", "-c", f"echo start > {PG}/pgctrl"])
         time.sleep(warmup)
         s0 = snap()
+        mark(2 * len(out))
         samples, n = [], BQL_SAMPLES if bql else 1
         for _ in range(n):
             time.sleep(duration / n)
             if bql:
                 samples.append(bql() or {})
         s1 = snap()
+        mark(2 * len(out) + 1)
         stop_pktgen(start)
         if retries and "pg_sent" in s1 and s1["pg_sent"] == s0["pg_sent"] and \
                 s1.get("pg_errors") == s0.get("pg_errors"):

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .common import LabError, cache_dir, say, tail_lines
+from .common import REPO, LabError, cache_dir, say, tail_lines
 from .deps import lab_python, vng_path
 
 # Guest clocks (`make bench CLOCK=...`). wall: QEMU's default, the guest
@@ -280,6 +280,16 @@ def kvm_broken(reason: str) -> None:
     _remember((False, reason))
 
 
+def insnprof_plugin() -> str:
+    """bench/insnprof/build's QEMU plugin (NODROP_INSNPROF=1; docs/bench.md,
+    "Where the instructions go")."""
+    r = subprocess.run([str(REPO / "bench" / "insnprof" / "build")],
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise LabError(f"NODROP_INSNPROF: bench/insnprof/build failed: {r.stderr.strip()}")
+    return r.stdout.strip()
+
+
 def _boot_once(bzimage, rwdir, meta, console, use_kvm, timeout, boot_timeout, relay,
                cpus, memory, qemu_opts=(), root=None, shares=()) -> GuestResult:
     vng = vng_path()
@@ -293,6 +303,8 @@ def _boot_once(bzimage, rwdir, meta, console, use_kvm, timeout, boot_timeout, re
         args.insert(3, "--disable-kvm")
     if os.environ.get("NODROP_APPEND"):           # extra kernel command line (debugging)
         args[3:3] = ["--append", os.environ["NODROP_APPEND"]]
+    if os.environ.get("NODROP_INSNPROF"):         # bench/insnprof: counts per block
+        qemu_opts = [*qemu_opts, "-plugin", f"{insnprof_plugin()},arg=out={rwdir}/prof"]
     if qemu_opts:                                 # one word: vng pastes it into a shell line
         args[3:3] = [f"--qemu-opts={' '.join(qemu_opts)}"]
     # vng starts `virtme-run` through PATH: put the real interpreter dir first
