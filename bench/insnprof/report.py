@@ -7,8 +7,9 @@ attributed to the function of their first instruction (the guest's
 
   report.py <run dir A> <run dir B> [--point 'stock threads=1 queue_xmit']
 
-Each run dir holds kallsyms, prof.<n>.<label> and s2_pktgen_vhost.json
-(what `lab run <flavor> -- ... NODROP_BENCH_MARK=... bench/run` leaves).
+Each run dir holds kallsyms, prof.<n>.<code> and s2_pktgen_vhost.json
+(what `NODROP_INSNPROF=1 lab/lab run <flavor> -- '... NODROP_BENCH_MARK=1
+bench/run'` leaves; docs/bench.md).
 Prints, for the point in both runs, the per-packet instructions of every
 function whose count differs, largest difference first."""
 
@@ -19,7 +20,6 @@ import bisect
 import glob
 import json
 import os
-import re
 import struct
 import statistics
 from collections import defaultdict
