@@ -7,7 +7,8 @@ attributed to the function of their first instruction (the guest's
 
   report.py <run dir A> <run dir B> [--point 'stock threads=1 queue_xmit']
 
-Each run dir holds kallsyms, prof.<n>.<code> and s2_pktgen_vhost.json
+Each run dir holds kallsyms, prof.<n>.<code>, run.json and the pktgen
+scenarios' JSON (s1_pktgen_tap, s2_pktgen_vhost, s7_mq_steering)
 (what `NODROP_INSNPROF=1 lab/lab run <flavor> -- '... NODROP_BENCH_MARK=1
 bench/run'` leaves; docs/bench.md).
 Prints, for the point in both runs, the per-packet instructions of every
@@ -49,9 +50,15 @@ def windows(run, scen):
     snaps = sorted(glob.glob(os.path.join(run, "prof.*")),
                    key=lambda p: int(p.split(".")[-2]))
     marks = [(p, p.split(".")[-1]) for p in snaps]
-    res = json.load(open(os.path.join(run, f"{scen}.json")))
-    reps = [(f"{pt['config']} threads={pt['threads']} {pt['xmit_mode']}", r)
-            for pt in res["points"] for r in pt["reps"]]
+    def pktgen_reps(name):
+        res = json.load(open(os.path.join(run, f"{name}.json")))
+        return [(f"{pt['config']} threads={pt.get('threads')} {pt.get('xmit_mode')}", r)
+                for pt in res["points"] for r in pt["reps"] if "pg_sent_per_s" in r]
+    # one run may hold several pktgen scenarios: their windows follow the
+    # run's scenario order (run.json), each rep marked once
+    order = list(json.load(open(os.path.join(run, "run.json")))["scenarios_elapsed_s"])
+    skip = sum(len(pktgen_reps(n)) for n in order[:order.index(scen)])
+    reps = pktgen_reps(scen)
     pairs, s0 = [], None
     for path, label in marks:
         code = int(label)
@@ -63,7 +70,9 @@ def windows(run, scen):
                 pairs.pop()
             pairs.append((s0[0], path, s0[1]))
             s0 = None
-    assert len(pairs) == len(reps), f"{run}: {len(pairs)} windows, {len(reps)} reps"
+    total = sum(len(pktgen_reps(n)) for n in order)
+    assert len(pairs) == total, f"{run}: {len(pairs)} windows, {total} pktgen reps"
+    pairs = pairs[skip:skip + len(reps)]
     addrs, names = symbols(os.path.join(run, "kallsyms"))
     out = []
     for (a, b, _), (name, rep) in zip(pairs, reps):
