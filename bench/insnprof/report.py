@@ -56,7 +56,8 @@ def windows(run, scen):
                 for pt in res["points"] for r in pt["reps"] if "pg_sent_per_s" in r]
     # one run may hold several pktgen scenarios: their windows follow the
     # run's scenario order (run.json), each rep marked once
-    order = list(json.load(open(os.path.join(run, "run.json")))["scenarios_elapsed_s"])
+    meta = json.load(open(os.path.join(run, "run.json")))
+    order, per_point = list(meta["scenarios_elapsed_s"]), meta.get("reps", 3)
     skip = sum(len(pktgen_reps(n)) for n in order[:order.index(scen)])
     reps = pktgen_reps(scen)
     pairs, s0 = [], None
@@ -65,8 +66,10 @@ def windows(run, scen):
         if code % 2 == 0:
             s0 = (path, code // 2)
         elif s0 and s0[1] == code // 2:
-            # a window measured again (pktgen_reps' retry) keeps its index
-            if pairs and pairs[-1][2] == s0[1]:
+            # a window measured again (pktgen_reps' retry) keeps its index;
+            # with one rep per point every window has index 0: no retry is
+            # told apart there (one would fail the count below)
+            if per_point > 1 and pairs and pairs[-1][2] == s0[1]:
                 pairs.pop()
             pairs.append((s0[0], path, s0[1]))
             s0 = None
