@@ -50,6 +50,7 @@ def windows(run, scen):
     snaps = sorted(glob.glob(os.path.join(run, "prof.*")),
                    key=lambda p: int(p.split(".")[-2]))
     marks = [(p, p.split(".")[-1]) for p in snaps]
+
     def pktgen_reps(name):
         res = json.load(open(os.path.join(run, f"{name}.json")))
         return [(f"{pt['config']} threads={pt.get('threads')} {pt.get('xmit_mode')}", r)
@@ -58,8 +59,9 @@ def windows(run, scen):
     # run's scenario order (run.json), each rep marked once
     meta = json.load(open(os.path.join(run, "run.json")))
     order, per_point = list(meta["scenarios_elapsed_s"]), meta.get("reps", 3)
-    skip = sum(len(pktgen_reps(n)) for n in order[:order.index(scen)])
-    reps = pktgen_reps(scen)
+    by_scen = {n: pktgen_reps(n) for n in order}
+    skip = sum(len(by_scen[n]) for n in order[:order.index(scen)])
+    reps = by_scen[scen]
     pairs, s0 = [], None
     for path, label in marks:
         code = int(label)
@@ -73,7 +75,7 @@ def windows(run, scen):
                 pairs.pop()
             pairs.append((s0[0], path, s0[1]))
             s0 = None
-    total = sum(len(pktgen_reps(n)) for n in order)
+    total = sum(map(len, by_scen.values()))
     assert len(pairs) == total, f"{run}: {len(pairs)} windows, {total} pktgen reps"
     pairs = pairs[skip:skip + len(reps)]
     addrs, names = symbols(os.path.join(run, "kallsyms"))
