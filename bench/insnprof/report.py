@@ -17,6 +17,7 @@ function whose count differs, largest difference first."""
 from __future__ import annotations
 
 import argparse
+import re
 import bisect
 import glob
 import json
@@ -111,6 +112,9 @@ def main():
     ap.add_argument("--point", default="stock threads=1 queue_xmit")
     ap.add_argument("--scenario", default="s2_pktgen_vhost")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--match", metavar="REGEX",
+                    help="also print the sum over the functions whose name matches, "
+                         "e.g. the driver's: '^_*(tun|vhost|handle_rx|ptr_ring)'")
     o = ap.parse_args()
     a, na = per_packet(windows(o.a, o.scenario), o.point)
     b, nb = per_packet(windows(o.b, o.scenario), o.point)
@@ -118,6 +122,11 @@ def main():
     print(f"point {o.point!r}: instructions per packet (icount: instructions, not cycles), "
           f"median of {na} / {nb} windows")
     print(f"total  A {ta:10.1f}  B {tb:10.1f}  B-A {tb - ta:+8.1f}  B/A {tb / ta:.4f}")
+    if o.match:
+        m = [f for f in set(a) | set(b) if re.search(o.match, f)]
+        ma, mb = sum(a.get(f, 0) for f in m), sum(b.get(f, 0) for f in m)
+        print(f"match  A {ma:10.1f}  B {mb:10.1f}  B-A {mb - ma:+8.1f}  "
+              f"= {100 * (mb - ma) / ta:.2f} % of A's total ({len(m)} functions /{o.match}/)")
     rows = sorted(set(a) | set(b), key=lambda f: -abs(b.get(f, 0) - a.get(f, 0)))
     print(f"{'function':48} {'A':>9} {'B':>9} {'B-A':>8}")
     for f in rows[:o.top]:
