@@ -114,7 +114,8 @@ def main():
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--match", metavar="REGEX",
                     help="also print the sum over the functions whose name matches, "
-                         "e.g. the driver's: '^_*(tun|vhost|handle_rx|ptr_ring)'")
+                         "e.g. tun's and vhost-net's as docs/results/flag-off-attribution "
+                         "sums them: '^_*(tun|vhost|handle_rx|handle_tx|ptr_ring)'")
     o = ap.parse_args()
     a, na = per_packet(windows(o.a, o.scenario), o.point)
     b, nb = per_packet(windows(o.b, o.scenario), o.point)
