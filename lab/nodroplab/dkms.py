@@ -13,10 +13,11 @@ the package version and the exact Debian kernel releases it builds for.
 Files the series changes must be ones a module package can ship
 (SHIP below); documentation, selftests and MAINTAINERS are left out. A patch
 that touches anything else needs a kernel rebuild, not a DKMS package: such
-patches are left out of the package when they come last in the series
-(nothing shipped depends on them, e.g. 6.12's net-sysfs patch that shows
-tun's byte_queue_limits), and listed in SOURCES; anywhere else they stop
-the generation.
+patches are left out of the package and listed in SOURCES when they change
+no shipped file (e.g. the lib/ fix of dql_reset(), wherever it sits, or
+6.12's net-sysfs patch that shows tun's byte_queue_limits) or come last in
+the series; one that changes both a shipped file and the core kernel
+anywhere else stops the generation (what it ships may need its core part).
 """
 
 from __future__ import annotations
@@ -179,16 +180,23 @@ def _module_series(line: str, fl: Flavor, dest: Path) -> tuple[list[Path], list[
     def core(p: Path) -> list[str]:
         return [path for path in _touched(p)
                 if path not in SHIP and not path.startswith(NOT_SHIPPED)]
+    def ships(p: Path) -> bool:
+        return any(path in SHIP for path in _touched(p))
     left_out = []
     while patches and core(patches[-1]):
         left_out.insert(0, patches.pop())
+    left_out += [p for p in patches if core(p) and not ships(p)]
+    patches = [p for p in patches if p not in left_out]
+    left_out.sort(key=fl.patches().index)
     for p in patches:
         for path in core(p):
-            raise LabError(f"{p.name} changes {path}: a DKMS package can only ship "
-                           f"{', '.join(SHIP)} (a change elsewhere needs a kernel "
-                           "rebuild; only patches at the end of the series can be left "
-                           "out); extend lab/nodroplab/dkms.py SHIP if this file "
-                           "can be built as part of tun.ko/vhost_net.ko")
+            raise LabError(f"{p.name} changes {path} and a shipped file: a DKMS "
+                           f"package can only ship {', '.join(SHIP)} (a change "
+                           "elsewhere needs a kernel rebuild; a patch that also "
+                           "changes a shipped file can be left out only at the end "
+                           "of the series); split the patch, or extend "
+                           "lab/nodroplab/dkms.py SHIP if this file can be built "
+                           "as part of tun.ko/vhost_net.ko")
     for p in left_out:
         say(f"dkms: {line}: leaving out {p.name} (changes {', '.join(core(p))}: needs a "
             "kernel rebuild)")
