@@ -27,6 +27,9 @@ test_privflag_unprivileged: without CAP_NET_ADMIN over the device's netns
 test_qstats_monotonic_across_detach: qstats lists one row per attached
     queue; a queue that stopped, detached and attached again leaves its
     counts in the device totals, which never go back.
+test_qstats_file_outlives_device: a queue stops, its device is deleted
+    while the file is open, and the same file creates a new device: the
+    new device's queue counts from 0.
 test_counters_burst: 1000 x 1000 B into txqueuelen 25, paused reader,
     fq_codel: with backpressure (priv flag or IFF_BACKPRESSURE) the queue
     stopped and woke, tx_dropped 0, all 1000 delivered; without it
@@ -54,7 +57,7 @@ from tunlib import (IFF_BACKPRESSURE, IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TUN,
                     ring_level_only,
                     qdisc_totals, qstats, qsummary, root_qdisc, set_fq_codel,
                     set_priv_flag, setup_ip, sh, tun_flags_sysfs, tx_dropped,
-                    wait_backlog_zero, wait_for)
+                    wait_backlog_zero, wait_for, wait_tx_settled)
 
 FLAG = "backpressure"
 RING = 25             # txqueuelen
@@ -318,6 +321,33 @@ def test_qstats_monotonic_across_detach(env, record_property):
                 f"device total {k} went back from '{wa}' to '{wb}': {a['total']} -> {b['total']}"
     record_property("total_stops", seen[-1][1]["total"]["stop"])
     assert seen[-1][1]["total"]["stop"] >= first["queues"][1]["stop"], seen[-1]
+
+
+def test_qstats_file_outlives_device(env, record_property):
+    """No reader: a burst stops the queue. `ip link del` detaches the file
+    but leaves it open; TUNSETIFF on that file creates a new device, whose
+    queue must count from 0 like any new device's (the old device's stops
+    must not follow the file)."""
+    flags = IFF_TUN | IFF_NO_PI | IFF_BACKPRESSURE
+    t = env.tun("ndop4", flags)
+    dev = t.name
+    require_privflag(env, dev)
+    ring_level_only(dev)   # stops counted here are the ring's, not BQL's
+    setup_ip(dev, tap=False, txqueuelen=RING)
+    set_fq_codel(dev)
+    s = env.burst(4 * RING, size=SIZE, ident=1, sndbuf=SNDBUF)
+    assert s["ok"] == 4 * RING, s
+    wait_tx_settled(dev, stall_s=STALL_S)
+    old = qcounters(dev)
+    assert old is not None and old["stop"] >= 1, f"queue 0 never stopped: {qstats(dev)}"
+    sh(f"ip link del {dev}")
+    t.set_iff("ndop5", flags)
+    sh(f"ip link set {t.name} up")   # qstats lists the queues of a device that is up
+    new = qcounters(t.name)
+    log(f"{dev} before deletion: {old}; {t.name}, same file: {new}")
+    record_property("old_stops", old["stop"])
+    assert new == {"stop": 0, "wake": 0}, \
+        f"a new device's queue counts from 0: {new} (the deleted device's: {old})"
 
 
 MODES = [

@@ -210,6 +210,12 @@ class Tun:
         if vnet_hdr_sz is not None:
             fcntl.ioctl(self.fd, TUNSETVNETHDRSZ, struct.pack("i", vnet_hdr_sz))
 
+    def set_iff(self, name: str, flags: int) -> None:
+        """TUNSETIFF again on this file: after its device was deleted, it
+        creates (or attaches to) the device `name`."""
+        r = fcntl.ioctl(self.fd, TUNSETIFF, _ifreq(name, flags))
+        self.name = r[:IFNAMSIZ].split(b"\0", 1)[0].decode()
+
     def get_iff(self) -> int:
         r = fcntl.ioctl(self.fd, TUNGETIFF, bytes(40))
         return struct.unpack("H", r[16:18])[0]
