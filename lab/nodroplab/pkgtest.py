@@ -339,6 +339,10 @@ def prepare(rf: RootfsFlavor, rw: Path, deb: Path, work: Path) -> None:
             pkgs = [f"linux-image-{k}={v}", f"linux-headers-{k}={v}"]
             if rf.linux_source:
                 pkgs.append(f"linux-source-{rf.line}={v}")
+            # the cached root's package lists are from the day it was made;
+            # the kernel just resolved may be newer (as after `apt update`)
+            rc, out = _sh(root, shlex.join([*APT, "update"]), log)
+            _expect(rc == 0, f"apt-get update before the upgrade to {k}: exit {rc}", out)
             t0 = time.monotonic()
             rc, out = _sh(root, shlex.join([*APT, *target_release(rf), "install", *pkgs]), log)
             times["apt_install_new_kernel(dkms build)"] = round(time.monotonic() - t0, 1)
