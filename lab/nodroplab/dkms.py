@@ -182,12 +182,12 @@ def _module_series(line: str, fl: Flavor, dest: Path) -> tuple[list[Path], list[
                 if path not in SHIP and not path.startswith(NOT_SHIPPED)]
     def ships(p: Path) -> bool:
         return any(path in SHIP for path in _touched(p))
-    left_out = []
-    while patches and core(patches[-1]):
-        left_out.insert(0, patches.pop())
-    left_out += [p for p in patches if core(p) and not ships(p)]
+    tail = len(patches)             # patches[tail:] all change core files
+    while tail and core(patches[tail - 1]):
+        tail -= 1
+    left_out = [p for i, p in enumerate(patches)
+                if core(p) and (i >= tail or not ships(p))]
     patches = [p for p in patches if p not in left_out]
-    left_out.sort(key=fl.patches().index)
     for p in patches:
         for path in core(p):
             raise LabError(f"{p.name} changes {path} and a shipped file: a DKMS "
