@@ -201,18 +201,17 @@ class Tun:
         self.requested = flags
         self.fd = os.open("/dev/net/tun", os.O_RDWR)
         try:
-            r = fcntl.ioctl(self.fd, TUNSETIFF, _ifreq(name, flags))
+            self.set_iff(name, flags)
         except OSError:
             os.close(self.fd)
             self.fd = -1
             raise
-        self.name = r[:IFNAMSIZ].split(b"\0", 1)[0].decode()
         if vnet_hdr_sz is not None:
             fcntl.ioctl(self.fd, TUNSETVNETHDRSZ, struct.pack("i", vnet_hdr_sz))
 
     def set_iff(self, name: str, flags: int) -> None:
-        """TUNSETIFF again on this file: after its device was deleted, it
-        creates (or attaches to) the device `name`."""
+        """TUNSETIFF on this file: creates (or attaches to) the device
+        `name`; again after its device was deleted, a new one."""
         r = fcntl.ioctl(self.fd, TUNSETIFF, _ifreq(name, flags))
         self.name = r[:IFNAMSIZ].split(b"\0", 1)[0].decode()
 
