@@ -19,6 +19,7 @@ APT_PACKAGES = [
     "qemu-system-x86", "seabios", "busybox-static", "udev", "file",
     "iproute2", "ethtool", "iperf3", "iputils-ping", "util-linux",
     "openvpn",                  # tests/guest/test_operator.py: an unmodified program
+    "python3-yaml",             # the 7.3 series' selftest: ynl in lib/py
     "python3-pip",
 ]
 

@@ -102,6 +102,12 @@ def kselftest_dir() -> str:
     return ""
 
 
+def own_kselftest_dir(fl) -> str:
+    """tools/testing/selftests of the booted flavor's own lab tree (the
+    selftests its series brings), "" for a flavor without a series."""
+    return str(tree_dir(fl) / KSELFTEST) if fl.series else ""
+
+
 def _env_for(b: Built, rw: Path, tools: Path | None) -> dict[str, str]:
     return guest_env({**passthrough_env(),
         "NODROP_FLAVOR": b.flavor.name,
@@ -114,6 +120,7 @@ def _env_for(b: Built, rw: Path, tools: Path | None) -> dict[str, str]:
         "NODROP_SOURCE_VERSION": b.flavor.source.version,
         "NODROP_SERIES_SHA256": b.series_hash,
         "NODROP_KSELFTEST_DIR": kselftest_dir(),
+        "NODROP_OWN_KSELFTEST_DIR": own_kselftest_dir(b.flavor),
         **({"NODROP_FEATURES": " ".join(b.flavor.features)}
            if b.flavor.features is not None else {}),
     })

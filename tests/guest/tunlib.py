@@ -162,7 +162,8 @@ def has_backpressure() -> bool:
 # lab matches against the declaration, and fails outright when the flavor
 # declares that feature. Outside the lab (no NODROP_FEATURES) the kernel decides.
 FEATURES = ("backpressure", "switch", "qstats", "bql", "bql-sysfs", "nodrop",
-            "vhost-net", "pktgen", "smp", "xdp", "kselftest", "openvpn", "unpriv-tools")
+            "vhost-net", "pktgen", "smp", "xdp", "kselftest", "kselftest-qstats",
+            "openvpn", "unpriv-tools")
 
 
 def declared_features() -> set[str] | None:
