@@ -19,7 +19,6 @@ APT_PACKAGES = [
     "qemu-system-x86", "seabios", "busybox-static", "udev", "file",
     "iproute2", "ethtool", "iperf3", "iputils-ping", "util-linux",
     "openvpn",                  # tests/guest/test_operator.py: an unmodified program
-    "python3-yaml",             # the 7.3 series' selftest: ynl in lib/py
     "python3-pip",
 ]
 
@@ -88,8 +87,10 @@ def _py_has(python: str, dist: str, version: str | None = None) -> bool:
         return False
 
 
+# PyYAML: ynl, which the 7.3 series' selftest (tun_bp_qstats.py) uses in the guest
 def _py_ready(python: str) -> bool:
-    return _py_has(python, "virtme-ng", "1.42") and _py_has(python, "pytest")
+    return (_py_has(python, "virtme-ng", "1.42") and _py_has(python, "pytest")
+            and _py_has(python, "PyYAML"))
 
 
 _LAB_PYTHON: str | None = None
@@ -148,6 +149,8 @@ def ensure_python() -> str:
         want.append(VIRTME_NG)
     if not _py_has(py, "pytest"):
         want.append("pytest")
+    if not _py_has(py, "PyYAML"):
+        want.append("PyYAML")
     say(f"pip installing {' '.join(want)} for {py}")
     p = _pip_install(py, want)
     if p.returncode != 0 and "externally-managed-environment" in (p.stderr + p.stdout):
@@ -160,7 +163,7 @@ def ensure_python() -> str:
             if r.returncode != 0:
                 raise LabError(f"cannot create venv: {r.stderr.strip()[-500:]}")
         py = str(venv)
-        p = _pip_install(py, [VIRTME_NG, "pytest"])
+        p = _pip_install(py, [VIRTME_NG, "pytest", "PyYAML"])
     if p.returncode != 0:
         err = (p.stderr or p.stdout).strip().splitlines()
         raise LabError(f"PyPI (pip): could not install {' '.join(want)}: "
