@@ -102,7 +102,7 @@ def kselftest_dir() -> str:
     return ""
 
 
-def own_kselftest_dir(fl) -> str:
+def own_kselftest_dir(fl: Flavor) -> str:
     """tools/testing/selftests of the booted flavor's own lab tree (the
     selftests its series brings), "" for a flavor without a series."""
     return str(tree_dir(fl) / KSELFTEST) if fl.series else ""
