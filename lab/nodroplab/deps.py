@@ -32,6 +32,11 @@ PACKAGE_APT = ["debhelper", "dh-dkms", "dpkg-dev", "debootstrap",
 BENCH_REQUIREMENTS = Path(__file__).resolve().parents[2] / "bench" / "requirements.txt"
 
 VIRTME_NG = "virtme-ng==1.42"
+# What the lab's interpreter needs (vng, the in-guest pytest; PyYAML: ynl,
+# which the 7.3 series' selftest tun_bp_qstats.py uses in the guest):
+# distribution, exact version or None, pip requirement
+PY_NEEDS = [("virtme-ng", "1.42", VIRTME_NG), ("pytest", None, "pytest"),
+            ("PyYAML", None, "PyYAML")]
 
 
 def _dpkg_missing(pkgs: list[str]) -> list[str]:
@@ -77,20 +82,28 @@ def _venv_python() -> Path:
     return cache_dir() / "venv" / "bin" / "python3"
 
 
-def _py_has(python: str, dist: str, version: str | None = None) -> bool:
-    code = ("import importlib.metadata as m, sys\n"
-            f"v = m.version({dist!r})\n"
-            f"sys.exit(0 if {version!r} in (None, v) else 1)\n")
+def _py_missing(python: str) -> list[str]:
+    """The pip requirements of PY_NEEDS that @python lacks (all of them if
+    it does not run), found in one run of it."""
+    code = ("import importlib.metadata as m\n"
+            f"for dist, want, req in {PY_NEEDS!r}:\n"
+            "    try:\n"
+            "        ok = want in (None, m.version(dist))\n"
+            "    except m.PackageNotFoundError:\n"
+            "        ok = False\n"
+            "    if not ok:\n"
+            "        print(req)\n")
     try:
-        return subprocess.run([python, "-c", code], capture_output=True).returncode == 0
+        p = subprocess.run([python, "-c", code], capture_output=True, text=True)
     except OSError:
-        return False
+        return [req for _, _, req in PY_NEEDS]
+    if p.returncode != 0:
+        return [req for _, _, req in PY_NEEDS]
+    return p.stdout.split()
 
 
-# PyYAML: ynl, which the 7.3 series' selftest (tun_bp_qstats.py) uses in the guest
 def _py_ready(python: str) -> bool:
-    return (_py_has(python, "virtme-ng", "1.42") and _py_has(python, "pytest")
-            and _py_has(python, "PyYAML"))
+    return not _py_missing(python)
 
 
 _LAB_PYTHON: str | None = None
@@ -142,15 +155,9 @@ def ensure_python() -> str:
     global _LAB_PYTHON
     _LAB_PYTHON = None
     py = lab_python()
-    if _py_ready(py):
+    want = _py_missing(py)
+    if not want:
         return py
-    want = []
-    if not _py_has(py, "virtme-ng", "1.42"):
-        want.append(VIRTME_NG)
-    if not _py_has(py, "pytest"):
-        want.append("pytest")
-    if not _py_has(py, "PyYAML"):
-        want.append("PyYAML")
     say(f"pip installing {' '.join(want)} for {py}")
     p = _pip_install(py, want)
     if p.returncode != 0 and "externally-managed-environment" in (p.stderr + p.stdout):
@@ -163,7 +170,7 @@ def ensure_python() -> str:
             if r.returncode != 0:
                 raise LabError(f"cannot create venv: {r.stderr.strip()[-500:]}")
         py = str(venv)
-        p = _pip_install(py, [VIRTME_NG, "pytest", "PyYAML"])
+        p = _pip_install(py, [req for _, _, req in PY_NEEDS])
     if p.returncode != 0:
         err = (p.stderr or p.stdout).strip().splitlines()
         raise LabError(f"PyPI (pip): could not install {' '.join(want)}: "
