@@ -16,6 +16,11 @@ the load stops, and on every kernel:
   * a fresh burst of 100 datagrams is delivered completely.
 Drops during the events themselves are allowed (the device may have no
 queue, be down, or have no qdisc); they are printed, not asserted.
+
+test_lifecycle_restart_full_ring: the same events that restart a queue
+(down/up, a txqueuelen change) with a paused reader
+and a ring at its stop level: with backpressure the queue stays stopped,
+the ring takes nothing past its stop level from the qdisc, nothing drops.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from tunlib import (IFF_MULTI_QUEUE, IFF_NO_PI, IFF_TUN, VhostRx, drained, has_priv_flag, lacks,
-                    log, qdisc_totals, qsummary,
+                    log, nl_root_qdisc, qdisc_totals, qsummary, ring_level_only,
                     root_qdisc, set_fq_codel, set_qdisc, setup_ip, sh, traffic,
-                    tx_dropped, vhost_drained)
+                    tx_dropped, vhost_drained, wait_tx_settled)
 
 RING = 256
 READER_DELAY_US = 200
@@ -240,3 +247,67 @@ def test_lifecycle_qdisc_replace(env, record_property):
             set_qdisc(dev, step)
         progress(env, dev, [reader], f"qdisc -> {root_qdisc(dev)['kind']}")
     finish(env, dev, [reader], load, record_property)
+
+
+# test_lifecycle_restart_full_ring: a ring of STOP entries, BACKLOG more in
+# the qdisc, RESTARTS times one event that restarts the queue
+STOP = 32
+BACKLOG = 8
+RESTARTS = 4
+
+
+def restart_by(dev: str, event: str) -> None:
+    if event == "down-up":
+        sh(f"ip link set dev {dev} down")
+        sh(f"ip link set dev {dev} up")
+    else:
+        # a stop level below what the ring holds, then back
+        sh(f"ip link set dev {dev} txqueuelen {STOP - 1}")
+        sh(f"ip link set dev {dev} txqueuelen {STOP}")
+
+
+@pytest.mark.parametrize("event", ["down-up", "txqueuelen"])
+def test_lifecycle_restart_full_ring(env, event, record_property):
+    """A paused reader, the ring at its stop level (STOP, the ring's own
+    stop: BQL off), the qdisc holding the rest; then RESTARTS times an
+    event after which the driver restarts its queues, each followed by
+    BACKLOG more datagrams (down/up empties the qdisc). The ring must take
+    nothing past its stop level from the qdisc: once the reader resumes it
+    gets exactly STOP plus what the qdisc held, and the driver drops
+    nothing. A restart that wakes a full ring's queue lets the qdisc hand
+    it one packet more each time: into the room kept for qdisc-bypass
+    senders until that is used up, then a drop (mainline 7.3, which keeps
+    no such room, drops at the first)."""
+    if not env.bp:
+        lacks("backpressure", "no IFF_BACKPRESSURE in TUNGETFEATURES: nothing promised")
+    t = env.tun("ndlc6", IFF_TUN | IFF_NO_PI | env.bp_flag())
+    dev = t.name
+    ring_level_only(dev)
+    setup_ip(dev, tap=False, txqueuelen=STOP)
+    set_qdisc(dev, "pfifo limit 1000")
+    reader = env.reader(t, paused=True)
+    d0 = tx_dropped(dev)
+    before = nl_root_qdisc(dev)
+    r = env.burst(STOP + BACKLOG, ident=1, sndbuf=SNDBUF)
+    assert r["ok"] == STOP + BACKLOG, r
+    q = wait_tx_settled(dev, since=before)
+    assert q["qlen"] == BACKLOG, f"the queue did not stop at {STOP}: qdisc {qsummary(q)}"
+    for i in range(RESTARTS):
+        restart_by(dev, event)
+        r = env.burst(BACKLOG, ident=1, sndbuf=SNDBUF)
+        assert r["ok"] == BACKLOG, r
+        log(f"after {event} #{i + 1}: qdisc {qsummary(root_qdisc(dev))}, "
+            f"tx_dropped={tx_dropped(dev) - d0}")
+    held = qdisc_totals(dev)["qlen"]
+    reader.go()
+    drained(dev, [reader])
+    got = reader.stat()["pkts"]
+    drops = tx_dropped(dev) - d0
+    summary = (f"[{event}] ring took {got - held} (stop level {STOP}), qdisc held "
+               f"{held}, received {got}, tx_dropped={drops}")
+    log(summary)
+    record_property("ring_took", got - held)
+    record_property("tx_dropped", drops)
+    if got - held != STOP or drops:
+        lacks("nodrop", f"RECORDED: {RESTARTS} restarts with a full ring: {summary}",
+              xfail=True)
