@@ -216,9 +216,11 @@ def boot_and_run(bzimage: Path, cmd: str, rwdir: Path, *, env: dict[str, str],
     --rodir/--rwdir options) must then name mount points that exist in it.
     retry_unbooted: if the guest ends (QEMU exits: vng boots with panic=-1)
     before it starts the command, boot it once more; the first console is
-    kept as console-first-boot.log and GuestResult.retried says so. Only
-    for guests where nothing of ours runs before the command (Debian's own
-    kernel, docs/lab.md: TCG flakes); never on a timeout.
+    kept as console-first-boot.log and GuestResult.retried says so; a soft
+    lockup reported before the command counts as such an end (the boot is
+    stopped then, not left to the boot timeout). Only for guests where
+    nothing of ours runs before the command (Debian's own kernel, docs/lab.md:
+    TCG flakes); never on a timeout.
     Files in rwdir: stdout, stderr, console.log, .nodrop/{cmd,guest.sh,rc,uname,...}."""
     if clock not in CLOCK_OPTS:
         raise LabError(f"unknown clock {clock!r}; valid: {', '.join(CLOCK_OPTS)}", rc=2)
@@ -242,7 +244,8 @@ def boot_and_run(bzimage: Path, cmd: str, rwdir: Path, *, env: dict[str, str],
     retried = None
     for n, use_kvm in enumerate(attempts, 1):
         res = _boot_once(bzimage, rwdir, meta, console, use_kvm, timeout, boot_timeout,
-                         relay, cpus, memory, CLOCK_OPTS[clock], root, shares)
+                         relay, cpus, memory, CLOCK_OPTS[clock], root, shares,
+                         lockup_ends_boot=retry_unbooted and not use_kvm)
         res.retried = retried
         if use_kvm and res.booted and not res.kvm_error:
             return res
@@ -291,7 +294,8 @@ def insnprof_plugin() -> str:
 
 
 def _boot_once(bzimage, rwdir, meta, console, use_kvm, timeout, boot_timeout, relay,
-               cpus, memory, qemu_opts=(), root=None, shares=()) -> GuestResult:
+               cpus, memory, qemu_opts=(), root=None, shares=(),
+               lockup_ends_boot=False) -> GuestResult:
     vng = vng_path()
     args = [vng, "--run", str(bzimage), "--force-9p", "--verbose",
             "--cpus", str(cpus), "--memory", memory, f"--rwdir={rwdir}",
@@ -324,6 +328,7 @@ def _boot_once(bzimage, rwdir, meta, console, use_kvm, timeout, boot_timeout, re
     kvm_error = False
     try:
         rc_seen_at = None
+        lockup_checked = t0
         while True:
             if relay:
                 for t in tails:
@@ -350,6 +355,15 @@ def _boot_once(bzimage, rwdir, meta, console, use_kvm, timeout, boot_timeout, re
                 raise KeyboardInterrupt
             if rc_seen_at is not None and now - rc_seen_at > 15:
                 break                                # guest did not power off: kill it
+            if lockup_ends_boot and booted_at is None and now - lockup_checked >= 5:
+                # a TCG vCPU that hangs in Debian's own boot (seen at a
+                # patched static-branch site, 808 s) never recovers: end
+                # this boot now, boot_and_run() boots the guest once more
+                lockup_checked = now
+                if _console_tail_has(console, SOFT_LOCKUP, 16384):
+                    say("the guest reports a soft lockup before the command started; "
+                        "ending this boot")
+                    break
             if booted_at is None and now - t0 > boot_timeout:
                 say(f"guest did not start the command within {boot_timeout:.0f}s")
                 timed_out = True
@@ -390,6 +404,7 @@ def _boot_once(bzimage, rwdir, meta, console, use_kvm, timeout, boot_timeout, re
 
 KVM_ERROR = b"KVM internal error"
 CRASH_WORDS = ("Kernel panic", "Oops", "BUG:", "general protection", "Failed to mount")
+SOFT_LOCKUP = b"watchdog: BUG: soft lockup"
 KVM_SILENT_S = 20
 
 
