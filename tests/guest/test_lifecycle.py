@@ -17,10 +17,10 @@ the load stops, and on every kernel:
 Drops during the events themselves are allowed (the device may have no
 queue, be down, or have no qdisc); they are printed, not asserted.
 
-test_lifecycle_restart_full_ring: the same events that restart a queue
-(down/up, a txqueuelen change) with a paused reader
-and a ring at its stop level: with backpressure the queue stays stopped,
-the ring takes nothing past its stop level from the qdisc, nothing drops.
+test_lifecycle_restart_full_ring: events that restart a queue (down/up, a
+txqueuelen change) with a paused reader and a ring at its stop level: with
+backpressure the queue stays stopped, the ring takes nothing past its stop
+level from the qdisc, nothing drops.
 """
 
 from __future__ import annotations
