@@ -20,7 +20,9 @@ queue, be down, or have no qdisc); they are printed, not asserted.
 test_lifecycle_restart_full_ring: events that restart a queue (down/up, a
 txqueuelen change) with a paused reader and a ring at its stop level: with
 backpressure the queue stays stopped, the ring takes nothing past its stop
-level from the qdisc, nothing drops.
+level from the qdisc, nothing drops. The same for a detach that moves a
+full ring to a running queue, and, without a qdisc, a down/up leaves no
+queue stopped.
 """
 
 from __future__ import annotations
@@ -256,6 +258,22 @@ BACKLOG = 8
 RESTARTS = 4
 
 
+def ring_took(dev: str, reader, held: int, d0: int, what: str, record_property) -> None:
+    """The paused reader resumes: it must get exactly STOP from its ring
+    plus the `held` datagrams the qdisc kept, and the driver drop none."""
+    reader.go()
+    drained(dev, [reader])
+    got = reader.stat()["pkts"]
+    drops = tx_dropped(dev) - d0
+    summary = (f"[{what}] ring took {got - held} (stop level {STOP}), qdisc held "
+               f"{held}, received {got}, tx_dropped={drops}")
+    log(summary)
+    record_property("ring_took", got - held)
+    record_property("tx_dropped", drops)
+    if got - held != STOP or drops:
+        lacks("nodrop", f"RECORDED: {summary}", xfail=True)
+
+
 def restart_by(dev: str, event: str) -> None:
     if event == "down-up":
         sh(f"ip link set dev {dev} down")
@@ -299,15 +317,78 @@ def test_lifecycle_restart_full_ring(env, event, record_property):
         log(f"after {event} #{i + 1}: qdisc {qsummary(root_qdisc(dev))}, "
             f"tx_dropped={tx_dropped(dev) - d0}")
     held = qdisc_totals(dev)["qlen"]
-    reader.go()
-    drained(dev, [reader])
-    got = reader.stat()["pkts"]
-    drops = tx_dropped(dev) - d0
-    summary = (f"[{event}] ring took {got - held} (stop level {STOP}), qdisc held "
-               f"{held}, received {got}, tx_dropped={drops}")
-    log(summary)
-    record_property("ring_took", got - held)
-    record_property("tx_dropped", drops)
-    if got - held != STOP or drops:
-        lacks("nodrop", f"RECORDED: {RESTARTS} restarts with a full ring: {summary}",
-              xfail=True)
+    ring_took(dev, reader, held, d0, f"{RESTARTS} x {event}", record_property)
+
+
+def test_lifecycle_detach_moves_full_ring(env, record_property):
+    """Two queues under multiq, a tc filter steering every datagram to queue
+    1, whose reader is paused: its ring reaches the stop level, the qdisc
+    holds BACKLOG. Detaching queue 0 moves that ring to index 0, whose queue
+    was running; the datagrams then steered to queue 0 must wait in the
+    qdisc, not hand the full ring one more."""
+    if not env.bp:
+        lacks("backpressure", "no IFF_BACKPRESSURE in TUNGETFEATURES: nothing promised")
+    flags = IFF_TUN | IFF_NO_PI | IFF_MULTI_QUEUE | env.bp_flag()
+    q0 = env.tun("ndlc8", flags)
+    q1 = env.tun("ndlc8", flags)
+    dev = q0.name
+    ring_level_only(dev)
+    setup_ip(dev, tap=False, txqueuelen=STOP)
+    sh(f"tc qdisc replace dev {dev} root handle 1: multiq")
+
+    def steer(queue: int) -> None:
+        sh(f"tc filter add dev {dev} parent 1: protocol ip prio 1 "
+           f"matchall action skbedit queue_mapping {queue}")
+
+    steer(1)
+    reader = env.reader(q1, paused=True)
+    d0 = tx_dropped(dev)
+    r = env.burst(STOP + BACKLOG, ident=1, sndbuf=SNDBUF)
+    assert r["ok"] == STOP + BACKLOG, r
+    q = wait_tx_settled(dev)
+    assert q["qlen"] == BACKLOG, f"queue 1 did not stop at {STOP}: qdisc {qsummary(q)}"
+    q0.set_queue(False)   # queue 1's ring now serves index 0; the qdisc is reset
+    sh(f"tc filter del dev {dev} parent 1: prio 1")
+    steer(0)
+    r = env.burst(BACKLOG, ident=1, sndbuf=SNDBUF)
+    assert r["ok"] == BACKLOG, r
+    held = wait_tx_settled(dev)["qlen"]
+    ring_took(dev, reader, held, d0, "detach", record_property)
+
+
+def test_lifecycle_restart_noqueue_full_ring(env, record_property):
+    """No qdisc (noqueue), a paused reader, the ring at its stop level:
+    tun tail-drops what does not fit, as without the flag. RESTARTS times
+    down/up, each followed by BACKLOG more datagrams: the queue must not be
+    left stopped (ndo_open runs before the core attaches the configured
+    qdisc), or the core refuses them with ENETDOWN and "asks to queue
+    packet" until the reader takes one; the driver drops them instead, and
+    the ring keeps STOP."""
+    if not env.bp:
+        lacks("backpressure", "no IFF_BACKPRESSURE in TUNGETFEATURES: nothing promised")
+    # the core's message is what this test counts: record it, do not fail
+    env.allow_kmsg("asks to queue packet")
+    t = env.tun("ndlc9", IFF_TUN | IFF_NO_PI | env.bp_flag())
+    dev = t.name
+    ring_level_only(dev)
+    setup_ip(dev, tap=False, txqueuelen=STOP)
+    set_qdisc(dev, "noqueue")
+    reader = env.reader(t, paused=True)
+    r = env.burst(STOP, ident=1, sndbuf=SNDBUF)
+    assert r["ok"] == STOP, r
+    d0 = tx_dropped(dev)
+    refused = 0
+    for i in range(RESTARTS):
+        restart_by(dev, "down-up")
+        r = env.burst(BACKLOG, ident=1, sndbuf=SNDBUF)
+        refused += BACKLOG - r["ok"]
+        log(f"after down-up #{i + 1}: sent {r['ok']} of {BACKLOG}, "
+            f"tx_dropped={tx_dropped(dev) - d0}")
+    record_property("refused", refused)
+    if refused:
+        lacks("nodrop", f"RECORDED: the stack refused {refused} datagrams after "
+              f"{RESTARTS} down/ups of a noqueue device with a full ring", xfail=True)
+    # every datagram sent after a restart found the ring full: tail-dropped
+    ring_took(dev, reader, 0, d0 + RESTARTS * BACKLOG, "noqueue down-up",
+              record_property)
+

@@ -18,6 +18,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import select
 import shlex
 import signal
@@ -263,6 +264,9 @@ def tx_dropped(dev: str) -> int:
 
 def qdiscs(dev: str) -> list[dict]:
     out = sh(f"tc -s -j qdisc show dev {dev}").stdout.strip()
+    # iproute2 6.1 prints multiq's options as bare text ({bands 2/256 }),
+    # which is not JSON; a valid object without a quote is empty anyway
+    out = re.sub(r'"options":\{[^"{}]*\}', '"options":{}', out)
     return json.loads(out) if out else []
 
 
