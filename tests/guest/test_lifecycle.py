@@ -258,6 +258,19 @@ BACKLOG = 8
 RESTARTS = 4
 
 
+def paused_tun(env, name: str, qdisc: str):
+    """A tun with the flag, BQL off (the ring's own stop level), txqueuelen
+    STOP, root `qdisc` and a paused reader: (device, reader). Skipped
+    without the flag: nothing is promised there."""
+    if not env.bp:
+        lacks("backpressure", "no IFF_BACKPRESSURE in TUNGETFEATURES: nothing promised")
+    t = env.tun(name, IFF_TUN | IFF_NO_PI | env.bp_flag())
+    ring_level_only(t.name)
+    setup_ip(t.name, tap=False, txqueuelen=STOP)
+    set_qdisc(t.name, qdisc)
+    return t.name, env.reader(t, paused=True)
+
+
 def ring_took(dev: str, reader, held: int, d0: int, what: str, record_property) -> None:
     """The paused reader resumes: it must get exactly STOP from its ring
     plus the `held` datagrams the qdisc kept, and the driver drop none."""
@@ -296,14 +309,7 @@ def test_lifecycle_restart_full_ring(env, event, record_property):
     it one packet more each time: into the room kept for qdisc-bypass
     senders until that is used up, then a drop (mainline 7.3, which keeps
     no such room, drops at the first)."""
-    if not env.bp:
-        lacks("backpressure", "no IFF_BACKPRESSURE in TUNGETFEATURES: nothing promised")
-    t = env.tun("ndlc6", IFF_TUN | IFF_NO_PI | env.bp_flag())
-    dev = t.name
-    ring_level_only(dev)
-    setup_ip(dev, tap=False, txqueuelen=STOP)
-    set_qdisc(dev, "pfifo limit 1000")
-    reader = env.reader(t, paused=True)
+    dev, reader = paused_tun(env, "ndlc6", "pfifo limit 1000")
     d0 = tx_dropped(dev)
     before = nl_root_qdisc(dev)
     r = env.burst(STOP + BACKLOG, ident=1, sndbuf=SNDBUF)
@@ -364,16 +370,9 @@ def test_lifecycle_restart_noqueue_full_ring(env, record_property):
     qdisc), or the core refuses them with ENETDOWN and "asks to queue
     packet" until the reader takes one; the driver drops them instead, and
     the ring keeps STOP."""
-    if not env.bp:
-        lacks("backpressure", "no IFF_BACKPRESSURE in TUNGETFEATURES: nothing promised")
+    dev, reader = paused_tun(env, "ndlc9", "noqueue")
     # the core's message is what this test counts: record it, do not fail
     env.allow_kmsg("asks to queue packet")
-    t = env.tun("ndlc9", IFF_TUN | IFF_NO_PI | env.bp_flag())
-    dev = t.name
-    ring_level_only(dev)
-    setup_ip(dev, tap=False, txqueuelen=STOP)
-    set_qdisc(dev, "noqueue")
-    reader = env.reader(t, paused=True)
     r = env.burst(STOP, ident=1, sndbuf=SNDBUF)
     assert r["ok"] == STOP, r
     d0 = tx_dropped(dev)
