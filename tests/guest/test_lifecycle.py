@@ -353,7 +353,10 @@ def test_lifecycle_detach_moves_full_ring(env, record_property):
     assert r["ok"] == STOP + BACKLOG, r
     q = wait_tx_settled(dev)
     assert q["qlen"] == BACKLOG, f"queue 1 did not stop at {STOP}: qdisc {qsummary(q)}"
-    q0.set_queue(False)   # queue 1's ring now serves index 0; the qdisc is reset
+    q0.set_queue(False)   # queue 1's ring now serves index 0
+    # the core resets the root as the device's queue count shrinks: what
+    # follows starts from an empty qdisc
+    assert qdisc_totals(dev)["qlen"] == 0, qsummary(root_qdisc(dev))
     sh(f"tc filter del dev {dev} parent 1: prio 1")
     steer(0)
     r = env.burst(BACKLOG, ident=1, sndbuf=SNDBUF)
