@@ -27,6 +27,13 @@ accounted in BQL, XDP frames included: their STACK_XOFF would have the core
 drop every skb ("Virtual device ... asks to queue packet!"). All 20 arrive,
 no drop. Fails with series v9 (6.12) and with the 7.3 port before the
 noqueue test in tun_xdp_xmit(). Skips without the `bql` private flag.
+
+test_xdp_noqueue_never_stops: a tap with backpressure, a noqueue root and a
+paused reader; XDP frames fill its ring to the stop level. Without a qdisc
+the queue must never stop, not even for an instant (the core drops what a
+stopped queue gets, "Virtual device ... asks to queue packet!", and a
+sender sees ENETDOWN): the stop counter stays at 0. Fails with 6.12 v19 /
+6.1 v20, whose tun_xdp_xmit() stopped the queue and woke it at once.
 """
 
 from __future__ import annotations
@@ -163,15 +170,45 @@ def test_xdp_redirect_keeps_skb_room(env, xdp_into, record_property):
         f"drops other than XDP's: {summary}"
 
 
+def noqueue_tap(env, name: str) -> "Tun":
+    """A tap (with env's backpressure flag) of txqueuelen RING, noqueue root."""
+    t = env.tun(name, IFF_TAP | IFF_NO_PI | env.bp_flag())
+    setup_ip(t.name, tap=True, txqueuelen=RING)
+    set_qdisc(t.name, "noqueue")
+    assert root_qdisc(t.name)["kind"] == "noqueue"
+    return t
+
+
+def test_xdp_noqueue_never_stops(env, xdp_into, record_property):
+    t = noqueue_tap(env, "ndxdp2")
+    dev = t.name
+    reader = env.reader(t, tap=True, paused=True)
+    xdp_into(dev)
+    st0, d0 = qstats(dev), tx_dropped(dev)
+    if st0 is None:
+        if not env.bp:
+            return            # nothing to stop without backpressure
+        lacks("qstats", "no TX queue stop/wake counters")
+    x = env.burst(2 * RING, ident=1, dst=VETH_PEER_IP, sndbuf=SNDBUF)
+    st, d_xdp = qstats(dev), tx_dropped(dev) - d0
+    reader.go()
+    r = reader.wait("id1", 1, stall_s=5)
+    summary = (f"XDP sent {x['ok']}, delivered {r['per_id'][1]} (so far), "
+               f"tx_dropped {d_xdp}; qstats before {st0['total']}, after {st['total']}")
+    log(summary)
+    record_property("summary", summary)
+    # the ring reached its level: XDP frames beyond it were dropped
+    assert d_xdp > 0, f"XDP never filled the ring: {summary}"
+    assert st["total"]["stop"] == st0["total"]["stop"], \
+        f"a queue without a qdisc was stopped: {summary}"
+
+
 def test_xdp_bql_noqueue(env, xdp_into, record_property):
     xdp_n, skb_n = 8, 20
-    t = env.tun("ndxdp1", IFF_TAP | IFF_NO_PI | env.bp_flag())
+    t = noqueue_tap(env, "ndxdp1")
     dev = t.name
     if not env.bp or not has_priv_flag(dev, "bql"):
         lacks("bql", "no 'bql' ethtool private flag (no BQL in this tun)")
-    setup_ip(dev, tap=True, txqueuelen=RING)
-    set_qdisc(dev, "noqueue")
-    assert root_qdisc(dev)["kind"] == "noqueue"
     reader = env.reader(t, tap=True, paused=True)
     xdp_into(dev)
     d0 = tx_dropped(dev)
