@@ -626,15 +626,19 @@ KCSAN_ACCESS_RE = re.compile(r"(read|write).* of \d+ bytes by (task|interrupt)")
 
 
 def involves_ours(block: list[str]) -> bool:
-    """A KCSAN report is ours when one of the two racing accesses is made by
-    a function of ours (the first frame under each "read/write ... by task"
-    line); a race between two core helpers that our code merely calls is
-    listed as other. Every other report is ours when tun, tap, vhost or
-    ptr_ring appears anywhere in it."""
+    """A KCSAN report is ours when an unmarked access of the two racing ones
+    is made by a function of ours (the first frame under its "read/write
+    ... by task" line): the unmarked access is the one that needs marking.
+    An access KCSAN labels "(marked)" in a function of ours is a core
+    helper's atomic inlined there (netif_tx_wake_queue()'s
+    test_and_clear_bit()); racing with a plain read in the core, the report
+    is listed as other, as when the helper is not inlined. Every other
+    report is ours when tun, tap, vhost or ptr_ring appears anywhere in it."""
     if "BUG: KCSAN" not in block[0]:
         return bool(OURS_RE.search("\n".join(block)))
-    frames = [block[k + 1] for k, ln in enumerate(block[:-1]) if KCSAN_ACCESS_RE.search(ln)]
-    return any(OURS_RE.search(f) for f in frames)
+    acc = [(ln, block[k + 1]) for k, ln in enumerate(block[:-1]) if KCSAN_ACCESS_RE.search(ln)]
+    plain = [f for ln, f in acc if "(marked)" not in ln] or [f for _, f in acc]
+    return any(OURS_RE.search(f) for f in plain)
 
 
 def have_kmemleak() -> bool:
