@@ -45,9 +45,9 @@ import struct
 
 import pytest
 
-from tunlib import (IFF_NO_PI, IFF_TAP, bql, has_priv_flag, lacks, log, nla, qstats,
-                    ring_level_only, root_qdisc, set_fq_codel, set_qdisc, setup_ip, sh,
-                    tx_dropped, wait_backlog_zero)
+from tunlib import (IFF_NO_PI, IFF_TAP, Tun, bql, has_priv_flag, lacks, log, nla,
+                    qstats, ring_level_only, root_qdisc, set_fq_codel, set_qdisc, setup_ip,
+                    sh, tx_dropped, wait_backlog_zero)
 
 RING = 64           # txqueuelen of the tap
 XDP_N = 1000        # frames sent into the veth
@@ -170,7 +170,7 @@ def test_xdp_redirect_keeps_skb_room(env, xdp_into, record_property):
         f"drops other than XDP's: {summary}"
 
 
-def noqueue_tap(env, name: str) -> "Tun":
+def noqueue_tap(env, name: str) -> Tun:
     """A tap (with env's backpressure flag) of txqueuelen RING, noqueue root."""
     t = env.tun(name, IFF_TAP | IFF_NO_PI | env.bp_flag())
     setup_ip(t.name, tap=True, txqueuelen=RING)
