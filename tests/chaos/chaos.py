@@ -64,11 +64,6 @@ MTUS = [1280, 1500, 4000, 9000]    # the senders' 600 B datagrams fit each
 KEEPS_PROTECTION = ("pause", "backend", "bql", "mtu")
 QDISC_WEIGHT = {"fq_codel": 3, "pfifo": 2, "noqueue": 1, "mq": 2}
 UNQUEUED = ("noqueue", "noop", "none")     # root "qdiscs" that hold nothing
-# rfc2863 operstate "up" (uapi if.h IF_OPER_UP). linkwatch sets it, then
-# activates the qdiscs, when the carrier comes on (closing the last queue
-# turns it off, TUNSETIFF on again); until then the noop qdisc drops what is
-# sent and counts it in tx_dropped, for every device.
-IF_OPER_UP = 6
 QDISCS = {"fq_codel": tl.FQ_CODEL_ARGS, "pfifo": "pfifo limit 1000",
           "noqueue": "noqueue", "mq": None}
 SNDBUF = 4 << 20
@@ -287,8 +282,12 @@ class Chaos:
 
     @staticmethod
     def protected(a: dict) -> bool:
+        # Operstate "up": linkwatch sets it, then activates the qdiscs, when
+        # the carrier comes on (closing the last queue turns it off, TUNSETIFF
+        # on again); until then the noop qdisc drops what is sent and counts
+        # it in tx_dropped, for every device.
         return (a["bp"] and a["qdisc"] not in UNQUEUED and a["link"] and a["attached"] > 0
-                and a["carrier"] == 1 and a["operstate"] == IF_OPER_UP)
+                and a["carrier"] == 1 and a["operstate"] == tl.IF_OPER_UP)
 
     def account(self, a: dict, b: dict, what: str) -> None:
         """Window a -> b: no action in between, or one of KEEPS_PROTECTION."""
@@ -487,7 +486,7 @@ class Chaos:
                                 "bp": after["bp"], "qdisc": after["qdisc"]})
             say(f"{what}  (bp {'on' if after['bp'] else 'off'}, qdisc {after['qdisc']}, "
                 f"tx_dropped {after['tx_dropped']}"
-                + ("" if after["operstate"] == IF_OPER_UP else
+                + ("" if after["operstate"] == tl.IF_OPER_UP else
                    f", operstate {after['operstate']} carrier {after['carrier']}") + ")")
             prev, last = after, what
         self.account(prev, self.snapshot(), last)

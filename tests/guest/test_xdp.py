@@ -32,8 +32,13 @@ test_xdp_noqueue_never_stops: a tap with backpressure, a noqueue root and a
 paused reader; XDP frames fill its ring to the stop level. Without a qdisc
 the queue must never stop, not even for an instant (the core drops what a
 stopped queue gets, "Virtual device ... asks to queue packet!", and a
-sender sees ENETDOWN): the stop counter stays at 0. Fails with 6.12 v19 /
-6.1 v20, whose tun_xdp_xmit() stopped the queue and woke it at once.
+sender sees ENETDOWN): the stop counter stays at 0, and a stack burst sent
+then (dropped at the full ring, as noqueue does) sees no error. Fails with
+6.12 v19 / 6.1 v20, whose tun_xdp_xmit() stopped the queue and woke it at
+once. With the carrier off during the XDP burst (txq->qdisc is noop_qdisc
+then, noqueue stays configured) it fails with 6.12 v20 / 6.1 v21 too: their
+stop asked the attached qdisc, so the queue stayed stopped after carrier-on
+and the stack burst got ENETDOWN until the next read.
 """
 
 from __future__ import annotations
@@ -46,8 +51,8 @@ import struct
 import pytest
 
 from tunlib import (IFF_NO_PI, IFF_TAP, Tun, bql, has_priv_flag, lacks, log, nla,
-                    qstats, ring_level_only, root_qdisc, set_fq_codel, set_qdisc, setup_ip,
-                    sh, tx_dropped, wait_backlog_zero)
+                    qstats, ring_level_only, root_qdisc, set_carrier, set_fq_codel, set_qdisc,
+                    setup_ip, sh, tx_dropped, wait_backlog_zero)
 
 RING = 64           # txqueuelen of the tap
 XDP_N = 1000        # frames sent into the veth
@@ -179,8 +184,9 @@ def noqueue_tap(env, name: str) -> Tun:
     return t
 
 
-def test_xdp_noqueue_never_stops(env, xdp_into, record_property):
-    t = noqueue_tap(env, "ndxdp2")
+@pytest.mark.parametrize("carrier", ["on", "off"])
+def test_xdp_noqueue_never_stops(env, xdp_into, record_property, carrier):
+    t = noqueue_tap(env, f"ndxdp2{carrier[1]}")
     dev = t.name
     reader = env.reader(t, tap=True, paused=True)
     xdp_into(dev)
@@ -189,18 +195,27 @@ def test_xdp_noqueue_never_stops(env, xdp_into, record_property):
         if not env.bp:
             return            # nothing to stop without backpressure
         lacks("qstats", "no TX queue stop/wake counters")
+    if carrier == "off":      # txq->qdisc is noop_qdisc, noqueue stays configured
+        set_carrier(dev, False)
     x = env.burst(2 * RING, ident=1, dst=VETH_PEER_IP, sndbuf=SNDBUF)
     st, d_xdp = qstats(dev), tx_dropped(dev) - d0
+    if carrier == "off":
+        set_carrier(dev, True)
+    # the ring is at its level: the stack's skbs are dropped there, not refused
+    s = env.burst(SKB_N // 10, ident=2, sndbuf=SNDBUF)
     reader.go()
     r = reader.wait("id1", 1, stall_s=5)
-    summary = (f"XDP sent {x['ok']}, delivered {r['per_id'][1]} (so far), "
-               f"tx_dropped {d_xdp}; qstats before {st0['total']}, after {st['total']}")
+    summary = (f"carrier {carrier} during XDP: XDP sent {x['ok']}, delivered "
+               f"{r['per_id'][1]} (so far), tx_dropped {d_xdp}; qstats before "
+               f"{st0['total']}, after {st['total']}; skbs sent {s['ok']}/{SKB_N // 10} "
+               f"(errors {s['errors']}, last errno {s['last_errno']})")
     log(summary)
     record_property("summary", summary)
     # the ring reached its level: XDP frames beyond it were dropped
     assert d_xdp > 0, f"XDP never filled the ring: {summary}"
     assert st["total"]["stop"] == st0["total"]["stop"], \
         f"a queue without a qdisc was stopped: {summary}"
+    assert s["errors"] == 0, f"a stack sender was refused (ENETDOWN): {summary}"
 
 
 def test_xdp_bql_noqueue(env, xdp_into, record_property):

@@ -636,6 +636,7 @@ def qstats(dev: str) -> dict | None:
 # --- link state (rtnetlink RTM_GETLINK; uapi include/uapi/linux/if_link.h) ----------
 _RTM_GETLINK = 18
 _IFLA = {4: "mtu", 16: "operstate", 33: "carrier", 35: "carrier_changes"}
+IF_OPER_UP = 6             # uapi if.h: rfc2863 operstate "up"
 
 
 def link_state(dev: str) -> dict:
@@ -661,6 +662,17 @@ def rtnl_barrier(dev: str) -> None:
     without it on newer kernels (7.x): after an operstate "up" followed by
     this barrier, the qdisc is active again. No spawn."""
     _ethtool(dev, struct.pack("=I", _ETHTOOL_GDRVINFO), _DRVINFO_SIZE)
+
+
+def set_carrier(dev: str, on: bool) -> None:
+    """Turn dev's carrier on or off and return once linkwatch has acted on
+    it: it sets the operstate, then (de)activates the qdiscs (txq->qdisc is
+    noop_qdisc while the carrier is off) in the same RTNL section."""
+    sh(f"ip link set dev {dev} carrier {'on' if on else 'off'}")
+    wait_for(f"{dev}: operstate after carrier {'on' if on else 'off'}",
+             lambda: link_state(dev)["operstate"], lambda s: (s == IF_OPER_UP) == on,
+             stall_s=10)
+    rtnl_barrier(dev)
 
 
 _ETHTOOL_GSTRINGS, _ETHTOOL_GSTATS, _ETHTOOL_GSSET_INFO = 0x1b, 0x1d, 0x37
