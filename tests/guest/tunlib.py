@@ -636,7 +636,7 @@ def qstats(dev: str) -> dict | None:
 # --- link state (rtnetlink RTM_GETLINK; uapi include/uapi/linux/if_link.h) ----------
 _RTM_GETLINK = 18
 _IFLA = {4: "mtu", 16: "operstate", 33: "carrier", 35: "carrier_changes"}
-IF_OPER_UP = 6             # uapi if.h: rfc2863 operstate "up"
+IF_OPER_DOWN, IF_OPER_LOWERLAYERDOWN, IF_OPER_UP = 2, 3, 6   # uapi if.h: rfc2863
 
 
 def link_state(dev: str) -> dict:
@@ -658,20 +658,23 @@ _IFREQ_SIZE = 40           # struct ifreq on x86-64: name, then a union (ifr_dat
 def rtnl_barrier(dev: str) -> None:
     """Return once whoever held RTNL when we asked has let it go: an ethtool
     ioctl (ETHTOOL_GDRVINFO) runs under RTNL. linkwatch sets the operstate
-    and then (de)activates the qdiscs under RTNL, and RTM_GETLINK reads
-    without it on newer kernels (7.x): after an operstate "up" followed by
-    this barrier, the qdisc is active again. No spawn."""
+    and then (de)activates the qdiscs in one RTNL section, which RTM_GETLINK
+    does not wait for everywhere (6.12 and 7.3 run a device's pending event
+    first, 6.1 does not): after an operstate read as "up" followed by this
+    barrier, the qdisc is active again. No spawn."""
     _ethtool(dev, struct.pack("=I", _ETHTOOL_GDRVINFO), _DRVINFO_SIZE)
 
 
 def set_carrier(dev: str, on: bool) -> None:
     """Turn dev's carrier on or off and return once linkwatch has acted on
     it: it sets the operstate, then (de)activates the qdiscs (txq->qdisc is
-    noop_qdisc while the carrier is off) in the same RTNL section."""
+    noop_qdisc while the carrier is off) in the same RTNL section. Waits
+    for the operstate the change leads to ("up", or "down"), not for a
+    change: a tun's carrier that never changed reports "unknown"."""
     sh(f"ip link set dev {dev} carrier {'on' if on else 'off'}")
+    want = (IF_OPER_UP,) if on else (IF_OPER_DOWN, IF_OPER_LOWERLAYERDOWN)
     wait_for(f"{dev}: operstate after carrier {'on' if on else 'off'}",
-             lambda: link_state(dev)["operstate"], lambda s: (s == IF_OPER_UP) == on,
-             stall_s=10)
+             lambda: link_state(dev)["operstate"], lambda s: s in want, stall_s=10)
     rtnl_barrier(dev)
 
 
