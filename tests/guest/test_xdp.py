@@ -203,12 +203,13 @@ def test_xdp_noqueue_never_stops(env, xdp_into, record_property, carrier):
         set_carrier(dev, True)
     st = qstats(dev)
     # the ring is at its level: the stack's skbs are dropped there, not refused
-    s = env.burst(SKB_N // 10, ident=2, sndbuf=SNDBUF)
+    skb_n = SKB_N // 10
+    s = env.burst(skb_n, ident=2, sndbuf=SNDBUF)
     reader.go()
     r = reader.wait("id1", 1, stall_s=5)
     summary = (f"carrier {carrier} during XDP: XDP sent {x['ok']}, delivered "
                f"{r['per_id'][1]} (so far), tx_dropped {d_xdp}; qstats before "
-               f"{st0['total']}, after {st['total']}; skbs sent {s['ok']}/{SKB_N // 10} "
+               f"{st0['total']}, after {st['total']}; skbs sent {s['ok']}/{skb_n} "
                f"(errors {s['errors']}, last errno {s['last_errno']})")
     log(summary)
     record_property("summary", summary)
