@@ -271,6 +271,20 @@ def paused_tun(env, name: str, qdisc: str):
     return t.name, env.reader(t, paused=True)
 
 
+def stopped_behind_pfifo(env, name: str):
+    """paused_tun() behind pfifo, then STOP + BACKLOG datagrams: the ring
+    holds STOP, its queue is stopped and pfifo holds BACKLOG. Returns
+    (device, reader, tx_dropped before the burst)."""
+    dev, reader = paused_tun(env, name, "pfifo limit 1000")
+    d0 = tx_dropped(dev)
+    before = nl_root_qdisc(dev)
+    r = env.burst(STOP + BACKLOG, ident=1, sndbuf=SNDBUF)
+    assert r["ok"] == STOP + BACKLOG, r
+    q = wait_tx_settled(dev, since=before)
+    assert q["qlen"] == BACKLOG, f"the queue did not stop at {STOP}: qdisc {qsummary(q)}"
+    return dev, reader, d0
+
+
 def ring_took(dev: str, reader, held: int, d0: int, what: str, record_property) -> None:
     """The paused reader resumes: it must get exactly STOP from its ring
     plus the `held` datagrams the qdisc kept, and the driver drop none."""
@@ -309,13 +323,7 @@ def test_lifecycle_restart_full_ring(env, event, record_property):
     it one packet more each time: into the room kept for qdisc-bypass
     senders until that is used up, then a drop (mainline 7.3, which keeps
     no such room, drops at the first)."""
-    dev, reader = paused_tun(env, "ndlc6", "pfifo limit 1000")
-    d0 = tx_dropped(dev)
-    before = nl_root_qdisc(dev)
-    r = env.burst(STOP + BACKLOG, ident=1, sndbuf=SNDBUF)
-    assert r["ok"] == STOP + BACKLOG, r
-    q = wait_tx_settled(dev, since=before)
-    assert q["qlen"] == BACKLOG, f"the queue did not stop at {STOP}: qdisc {qsummary(q)}"
+    dev, reader, d0 = stopped_behind_pfifo(env, "ndlc6")
     for i in range(RESTARTS):
         restart_by(dev, event)
         r = env.burst(BACKLOG, ident=1, sndbuf=SNDBUF)
@@ -405,13 +413,8 @@ def test_lifecycle_noqueue_root_over_stopped_queue(env, record_property):
     datagram with ENETDOWN ("asks to queue packet") until the reader takes
     one. Woken, the ring at its stop level tail-drops them, as noqueue
     does without the flag."""
-    dev, reader = paused_tun(env, "ndlcA", "pfifo limit 1000")
     env.allow_kmsg("asks to queue packet")
-    before = nl_root_qdisc(dev)
-    r = env.burst(STOP + BACKLOG, ident=1, sndbuf=SNDBUF)
-    assert r["ok"] == STOP + BACKLOG, r
-    q = wait_tx_settled(dev, since=before)
-    assert q["qlen"] == BACKLOG, f"the queue did not stop at {STOP}: qdisc {qsummary(q)}"
+    dev, reader, _ = stopped_behind_pfifo(env, "ndlcA")
     set_qdisc(dev, "noqueue")
     set_carrier(dev, False)
     restart_by(dev, "txqueuelen")
@@ -426,4 +429,3 @@ def test_lifecycle_noqueue_root_over_stopped_queue(env, record_property):
         lacks("nodrop", f"RECORDED: the stack refused {refused} of {BACKLOG} datagrams: "
               "the restart left a noqueue device's queue stopped", xfail=True)
     ring_took(dev, reader, 0, d0 + BACKLOG, "noqueue over a stopped queue", record_property)
-
