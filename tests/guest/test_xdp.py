@@ -32,13 +32,14 @@ test_xdp_noqueue_never_stops: a tap with backpressure, a noqueue root and a
 paused reader; XDP frames fill its ring to the stop level. Without a qdisc
 the queue must never stop, not even for an instant (the core drops what a
 stopped queue gets, "Virtual device ... asks to queue packet!", and a
-sender sees ENETDOWN): the stop counter stays at 0, and a stack burst sent
-then (dropped at the full ring, as noqueue does) sees no error. Fails with
-6.12 v19 / 6.1 v20, whose tun_xdp_xmit() stopped the queue and woke it at
-once. With the carrier off during the XDP burst (txq->qdisc is noop_qdisc
-then, noqueue stays configured) it fails with 6.12 v20 and 7.3 net-next v8
-too: their stop asked the attached qdisc, so the queue stayed stopped after
-carrier-on and the stack burst got ENETDOWN until the next read.
+sender sees ENETDOWN): the stop counter stays at 0 through the XDP burst
+and a stack burst sent then, which (dropped at the full ring, as noqueue
+does) sees no error. Fails with 6.12 v19 / 6.1 v20, whose tun_xdp_xmit()
+stopped the queue and woke it at once. With the carrier off during the XDP
+burst (txq->qdisc is noop_qdisc then, noqueue stays configured) it fails
+with 6.12 v20 and 7.3 net-next v8 too: their stop asked the attached
+qdisc, so the queue stayed stopped after carrier-on and the stack burst got
+ENETDOWN until the next read.
 """
 
 from __future__ import annotations
@@ -201,10 +202,10 @@ def test_xdp_noqueue_never_stops(env, xdp_into, record_property, carrier):
     d_xdp = tx_dropped(dev) - d0
     if carrier == "off":
         set_carrier(dev, True)
-    st = qstats(dev)
     # the ring is at its level: the stack's skbs are dropped there, not refused
     skb_n = SKB_N // 10
     s = env.burst(skb_n, ident=2, sndbuf=SNDBUF)
+    st = qstats(dev)          # after the stack's burst too: no stop at all
     reader.go()
     r = reader.wait("id1", 1, stall_s=5)
     summary = (f"carrier {carrier} during XDP: XDP sent {x['ok']}, delivered "
