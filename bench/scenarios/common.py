@@ -107,9 +107,13 @@ class Procs:
         self.procs: list[subprocess.Popen] = []
 
     def spawn(self, argv: list[str], **kw) -> subprocess.Popen:
+        """Pipes to and from the process unless kw says otherwise: a process
+        that writes more than a pipe holds (64 KiB) must be read, or given
+        subprocess.DEVNULL, or it blocks in write()."""
+        for k in ("stdin", "stdout", "stderr"):
+            kw.setdefault(k, subprocess.PIPE)
         kw.setdefault("text", True)
-        p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, **kw)
+        p = subprocess.Popen(argv, **kw)
         self.procs.append(p)
         return p
 
@@ -481,7 +485,12 @@ class VPN:
         if srv is not None and srv.poll() is None:
             return srv
         with self.b:
-            srv = self._srv = self.procs.spawn(["iperf3", "-s", "-B", TUN_B, "-p", str(port)])
+            # its report of every test goes nowhere: nothing reads it, and
+            # once it filled the pipe the server blocked in write() in the
+            # middle of a test (s5, after about a dozen 8-stream tests)
+            srv = self._srv = self.procs.spawn(["iperf3", "-s", "-B", TUN_B, "-p", str(port)],
+                                               stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.DEVNULL)
             for _ in range(400):
                 if f":{port}" in sh("ss -ltnH", check=False):
                     break
@@ -579,13 +588,42 @@ def iperf_start(vpn: VPN, duration: float, streams: int = 1, port: int = 5201):
     return srv, cli, c0, duration
 
 
+def _ticks_state(pid: int) -> tuple[int, str, str]:
+    """CPU ticks (user + system), scheduler state and wchan of a process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            st = f.read()
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read()
+    except OSError:
+        return 0, "gone", ""
+    fields = st[st.rindex(")") + 2:].split()
+    return int(fields[11]) + int(fields[12]), fields[0], wchan
+
+
+def _hung(procs: dict[str, subprocess.Popen]) -> dict:
+    """Where the processes of a test that timed out are: state, wchan and
+    the CPU ticks each burns in one second (a spin, or a wait)."""
+    a = {k: _ticks_state(p.pid) for k, p in procs.items()}
+    time.sleep(1)
+    b = {k: _ticks_state(p.pid) for k, p in procs.items()}
+    return {k: {"state": b[k][1], "wchan": b[k][2], "ticks_per_s": b[k][0] - a[k][0]}
+            for k in procs}
+
+
 def iperf_finish(vpn: VPN, h) -> dict:
     srv, cli, c0, duration = h
+    hung = None
     try:
         stdout, stderr = cli.communicate(timeout=duration * 10 + 120)
     except subprocess.TimeoutExpired:
+        hung = _hung({"client": cli, "server": srv})
         cli.kill()
         stdout, stderr = cli.communicate()
+        # the server may still be inside the dead test: the next test of
+        # this VPN gets a new one (iperf_server()) instead of hanging too
+        srv.kill()
+        srv.wait()
     c1 = vpn.counters()
     try:
         end = json.loads(stdout)["end"]
@@ -595,6 +633,8 @@ def iperf_finish(vpn: VPN, h) -> dict:
                "transfer_s": end["sum_received"].get("seconds")}
     except Exception as e:  # noqa: BLE001
         out = {"error": f"iperf3 rc={cli.returncode} {e}: {stdout[-300:]} {stderr[-300:]}"}
+    if hung:
+        out["hung"] = hung
     # per-packet cost over the transfer (guest seconds iperf3 measured), not
     # over the window with process start and control exchange
     out.update(delta(c0, c1, out.get("transfer_s")))
