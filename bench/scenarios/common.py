@@ -588,27 +588,27 @@ def iperf_start(vpn: VPN, duration: float, streams: int = 1, port: int = 5201):
     return srv, cli, c0, duration
 
 
-def _ticks_state(pid: int) -> tuple[int, str, str]:
-    """CPU ticks (user + system), scheduler state and wchan of a process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            st = f.read()
-        with open(f"/proc/{pid}/wchan") as f:
-            wchan = f.read()
-    except OSError:
-        return 0, "gone", ""
-    fields = st[st.rindex(")") + 2:].split()
-    return int(fields[11]) + int(fields[12]), fields[0], wchan
-
-
 def _hung(procs: dict[str, subprocess.Popen]) -> dict:
-    """Where the processes of a test that timed out are: state, wchan and
-    the CPU ticks each burns in one second (a spin, or a wait)."""
-    a = {k: _ticks_state(p.pid) for k, p in procs.items()}
+    """Where the processes of a test that timed out are: their wait channel
+    ("0": running) and the share of a CPU each used over one second of guest
+    time (a spin, or a wait)."""
+    def cpu(p):
+        try:
+            return task_cpu_ns(p.pid)
+        except OSError:
+            return None
+    a = {k: cpu(p) for k, p in procs.items()}
     time.sleep(1)
-    b = {k: _ticks_state(p.pid) for k, p in procs.items()}
-    return {k: {"state": b[k][1], "wchan": b[k][2], "ticks_per_s": b[k][0] - a[k][0]}
-            for k in procs}
+    out = {}
+    for k, p in procs.items():
+        b = cpu(p)
+        try:
+            wchan = Path(f"/proc/{p.pid}/wchan").read_text()
+        except OSError:
+            wchan = "gone"
+        out[k] = {"wchan": wchan,
+                  "cpu_share": None if a[k] is None or b is None else round((b - a[k]) / 1e9, 2)}
+    return out
 
 
 def iperf_finish(vpn: VPN, h) -> dict:
