@@ -142,7 +142,7 @@ def _meta(b: Built, res: GuestResult | None, extra: dict | None = None) -> dict:
         "bzimage": str(b.bzimage),
         "build_dir": str(b.build_dir),
         "build": {"reused": b.reused, "seconds": b.build_seconds},
-        "host": {"kernel": platform.release(), "python": lab_python()},
+        "host": {"kernel": platform.release(), "python": lab_python(), **_host_cpu()},
         "repo": _repo_state(),
         "finished": now_iso(),
     }
@@ -153,6 +153,21 @@ def _meta(b: Built, res: GuestResult | None, extra: dict | None = None) -> dict:
                       "wall_seconds": _r(res.wall_seconds), "timed_out": res.timed_out}
     m.update(extra or {})
     return m
+
+
+def _host_cpu() -> dict:
+    """The host's CPU as /proc/cpuinfo names it (vendor, family/model/stepping,
+    model name, MHz) and its count: timings are compared across machines "of
+    this kind", which the kernel release alone does not tell apart."""
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
+    except OSError:
+        first = ""
+    f = {k.strip(): v.strip() for k, _, v in
+         (ln.partition(":") for ln in first.splitlines())}
+    cpu = (f"{f.get('vendor_id', '?')} {f.get('cpu family', '?')}/{f.get('model', '?')}/"
+           f"{f.get('stepping', '?')} {f.get('model name', '?')} {f.get('cpu MHz', '?')} MHz")
+    return {"cpu": cpu, "cpus": os.cpu_count()}
 
 
 def _repo_state() -> dict:
